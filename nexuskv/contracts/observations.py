@@ -1,0 +1,79 @@
+"""``nexuskv.observations``: measured timings that calibrate the cost model.
+
+Keyed by (model, link or tier). Each observation is a measurement, with its unit in the field
+name; the calibration agent fits ``T_compute`` from prefill observations and per-link transfer
+costs from transfer observations. Load observations report a worker's queue and decode load.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from nexuskv.contract import Contract
+from nexuskv.descriptor import Tier
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "PrefillObservation",
+    "TransferObservation",
+    "LoadObservation",
+    "Observation",
+    "ObservationRecord",
+]
+
+SCHEMA_VERSION = 1
+Text = Annotated[str, Field(min_length=1, max_length=512)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class PrefillObservation(Contract):
+    """One prefill: ``uncached_tokens`` computed in a context of ``context_tokens``."""
+
+    kind: Literal["prefill"] = "prefill"
+    model: Text
+    profile: Text  # hardware/deployment profile the timing belongs to
+    worker: Text
+    uncached_tokens: Count
+    context_tokens: Count
+    duration_s: Seconds
+
+
+class TransferObservation(Contract):
+    """One completed (or failed) copy over a link."""
+
+    kind: Literal["transfer"] = "transfer"
+    source_tier: Tier
+    destination_tier: Tier
+    backend: Text
+    worker: Text
+    bytes: Count
+    pages: Count
+    duration_s: Seconds
+    ok: bool = True
+
+    @property
+    def link(self) -> str:
+        return f"{self.source_tier.value}->{self.destination_tier.value}"
+
+
+class LoadObservation(Contract):
+    """A worker's load at one moment (what routing weighs against locality)."""
+
+    kind: Literal["load"] = "load"
+    worker: Text
+    queued_prefill_tokens: Count
+    decode_blocks: Count
+    active_requests: Count
+
+
+Observation = Annotated[Union[PrefillObservation, TransferObservation, LoadObservation], Field(discriminator="kind")]
+
+
+class ObservationRecord(Contract):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    observed_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
+    trace_id: str | None = None
+    observation: Observation

@@ -1,0 +1,62 @@
+"""``nexuskv.plan-requests``: describe-and-match requests at admission.
+
+Keyed by request id. A request names its identity scope (which fixes the descriptor), its
+canonical block keys (or its token ids, when the caller leaves key computation to NexusKV),
+when it arrived, its deadline or TTFT SLO, and the candidate workers with their current load.
+Token ids are never logged.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from nexuskv.contract import Contract
+from nexuskv.identity import IdentityScope
+
+__all__ = ["SCHEMA_VERSION", "WorkerLoad", "PlanRequest"]
+
+SCHEMA_VERSION = 1
+Text = Annotated[str, Field(min_length=1, max_length=512)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class WorkerLoad(Contract):
+    """A candidate worker and its load when the request arrived."""
+
+    worker: Text
+    queued_prefill_tokens: Count = 0  # tokens waiting for prefill ahead of this request
+    decode_blocks: Count = 0  # KV blocks of in-flight decoding requests
+    active_requests: Count = 0
+    profile: Text | None = None  # hardware profile name, when workers differ
+
+
+class PlanRequest(Contract):
+    schema_version: Annotated[int, Field(ge=1, le=1)] = SCHEMA_VERSION
+    request_id: Text
+    scope: IdentityScope
+    block_size: Annotated[int, Field(ge=1, le=1 << 16)]
+    prompt_tokens: Count
+    keys: tuple[Annotated[int, Field(ge=0, lt=2**128)], ...] | None = Field(default=None, max_length=1 << 20)
+    token_ids: tuple[Annotated[int, Field(ge=0, lt=2**32)], ...] | None = Field(default=None, max_length=1 << 22)
+    arrival_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
+    deadline_at: Annotated[float, Field(ge=0)] | None = None  # latest useful start of decode
+    slo_ttft_s: Annotated[float, Field(gt=0)] | None = None
+    candidates: tuple[WorkerLoad, ...] = Field(min_length=1, max_length=4096)
+    expected_output_tokens: Count | None = None
+    workload: Text | None = None  # label for analysis ("chat", "rag", ...)
+
+    @model_validator(mode="after")
+    def _keys_or_tokens(self) -> PlanRequest:
+        if (self.keys is None) == (self.token_ids is None):
+            raise ValueError("keys: give exactly one of keys or token_ids")
+        full = self.prompt_tokens // self.block_size
+        if self.keys is not None and len(self.keys) != full:
+            raise ValueError(f"keys: {len(self.keys)} keys for {full} full blocks of prompt_tokens")
+        if self.token_ids is not None and len(self.token_ids) != self.prompt_tokens:
+            raise ValueError("token_ids: length must equal prompt_tokens")
+        workers = [c.worker for c in self.candidates]
+        if len(set(workers)) != len(workers):
+            raise ValueError("candidates: each worker may appear once")
+        return self

@@ -1,0 +1,74 @@
+"""The topic contract: every topic's name, key, payload type and encoding, declared once.
+
+High-volume lifecycle events are msgpack; everything else is JSON so an operator can read it
+with any Kafka console consumer. Each payload carries ``schema_version``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nexuskv.contract import Contract
+from nexuskv.contracts.dead_letter import DeadLetter
+from nexuskv.contracts.decisions import Decision
+from nexuskv.contracts.kv_events import KvEventBatch
+from nexuskv.contracts.observations import ObservationRecord
+from nexuskv.contracts.placement import PlacementHint
+from nexuskv.contracts.plans import PlanRequest
+from nexuskv.contracts.transfers import TransferCommand, TransferResult
+
+__all__ = ["Topic", "TOPICS", "KV_EVENTS", "OBSERVATIONS", "PLAN_REQUESTS", "DECISIONS",
+           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "DEAD_LETTER", "topic_named"]
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Topic:
+    name: str
+    key: str  # what the record key is (keeps related records ordered on one partition)
+    contract: type[Contract]
+    encoding: Literal["msgpack", "json"]
+    doc: str
+    config: dict[str, str] = field(default_factory=dict)  # topic-level Kafka configs
+
+
+KV_EVENTS = Topic(
+    "nexuskv.kv-events", "publisher id", KvEventBatch, "msgpack",
+    "batches of lifecycle events with publisher sequence number and incarnation",
+    {"retention.ms": str(7 * DAY_MS)},
+)
+OBSERVATIONS = Topic(
+    "nexuskv.observations", "model and link or tier", ObservationRecord, "json",
+    "measured prefill and transfer timings, queue depths",
+)
+PLAN_REQUESTS = Topic(
+    "nexuskv.plan-requests", "request id", PlanRequest, "json", "describe-and-match requests at admission",
+)
+DECISIONS = Topic("nexuskv.decisions", "request id", Decision, "json", "decision records")
+PLACEMENT = Topic(
+    "nexuskv.placement", "tenant namespace and prefix root", PlacementHint, "json",
+    "routing and placement hints for routers",
+)
+TRANSFERS = Topic(
+    "nexuskv.transfers", "destination worker", TransferCommand, "json", "transfer commands with deadline",
+)
+TRANSFER_RESULTS = Topic(
+    "nexuskv.transfer-results", "request id", TransferResult, "json", "completion, timing, failure",
+)
+DEAD_LETTER = Topic(
+    "nexuskv.dead-letter", "source topic", DeadLetter, "json", "rejected inputs with the reason",
+    {"retention.ms": str(30 * DAY_MS)},
+)
+
+TOPICS: tuple[Topic, ...] = (
+    KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, DEAD_LETTER,
+)
+
+
+def topic_named(name: str) -> Topic | None:
+    for t in TOPICS:
+        if t.name == name:
+            return t
+    return None

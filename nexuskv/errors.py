@@ -1,0 +1,72 @@
+"""The one exception root of NexusKV and its tree.
+
+::
+
+    NexusKVError
+    ├── ConfigError            a setting or policy field is invalid; ``.field`` names it
+    ├── ContractError          a wire payload or descriptor does not satisfy its contract
+    │   └── SchemaVersionError the payload's schema version is not one this build reads
+    ├── IdentityError          tokens or scope cannot produce a canonical block key
+    ├── IncompatibleStateError state exists but may not be reused; ``.reason`` says why
+    └── BrokerError            the event bus could not be reached, started or stopped
+
+"Not found" is ``None``, never an exception and never ``-1``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NexusKVError",
+    "ConfigError",
+    "ContractError",
+    "SchemaVersionError",
+    "IdentityError",
+    "IncompatibleStateError",
+    "BrokerError",
+]
+
+
+class NexusKVError(Exception):
+    """Root of every error NexusKV raises on purpose."""
+
+
+class ConfigError(NexusKVError, ValueError):
+    """A configuration or policy value is invalid.
+
+    ``field`` is the dotted name of the offending setting (for environment settings, the
+    variable name), so the one-line message an operator sees always names what to fix.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ContractError(NexusKVError, ValueError):
+    """A payload or descriptor violates its versioned contract; ``path`` locates the field."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message if path is None else f"{message} (at {path})")
+        self.path = path
+        self.message = message
+
+
+class SchemaVersionError(ContractError):
+    """The payload declares a schema version this build does not read."""
+
+
+class IdentityError(NexusKVError, ValueError):
+    """Tokens, extra keys or scope cannot be turned into canonical block keys."""
+
+
+class IncompatibleStateError(NexusKVError):
+    """Reuse was requested for state that the compatibility predicate rejects."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BrokerError(NexusKVError, RuntimeError):
+    """The Kafka-protocol bus could not be reached, started or stopped."""

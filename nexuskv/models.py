@@ -1,0 +1,123 @@
+"""Descriptor builders for common attention shapes, and the models the cost profiles cover.
+
+Shapes come from the models' published configs (``../shared/reference/anchors.md`` §3 derives
+the same bytes per token): Llama-3.1-8B 128 KiB/token, Llama-3.1-70B 320 KiB, Qwen3-32B
+256 KiB, DeepSeek-V3 (MLA) about 69 KiB, all in BF16.
+"""
+
+from __future__ import annotations
+
+from nexuskv.descriptor import (
+    DType,
+    Granularity,
+    GranularityKind,
+    LayerGroup,
+    LayoutConvention,
+    ParallelScope,
+    SemanticType,
+    StateDescriptor,
+    TensorRole,
+    TensorSpec,
+)
+
+__all__ = ["gqa_descriptor", "mla_descriptor", "KNOWN_MODELS", "known_model"]
+
+
+def gqa_descriptor(
+    *,
+    model: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tenant_namespace: str = "default",
+    model_revision: str = "main",
+    tokenizer_revision: str = "main",
+    engine_family: str = "vllm",
+    block_size: int = 16,
+    dtype: DType = DType.BFLOAT16,
+    rope_theta: float = 500000.0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layout: str = "paged_nhd",
+    semantic_type: SemanticType = SemanticType.GQA,
+) -> StateDescriptor:
+    """A key/value attention model (MHA, GQA or MQA by head count), sharded over TP ranks."""
+    heads = max(1, num_kv_heads // tp_size)
+    return StateDescriptor(
+        tenant_namespace=tenant_namespace,
+        model=model,
+        model_revision=model_revision,
+        tokenizer_revision=tokenizer_revision,
+        engine_family=engine_family,
+        semantic_type=semantic_type,
+        parallel=ParallelScope(tp_rank=tp_rank, tp_size=tp_size),
+        layer_groups=(
+            LayerGroup(
+                kv_group=0,
+                semantic_type=semantic_type,
+                layers=tuple(range(num_layers)),
+                granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
+                tensors=(
+                    TensorSpec(role=TensorRole.KEY, shape=(heads, head_dim), dtype=dtype),
+                    TensorSpec(role=TensorRole.VALUE, shape=(heads, head_dim), dtype=dtype),
+                ),
+            ),
+        ),
+        layout=LayoutConvention(layout=layout, position="rope_applied", rope_theta=rope_theta),
+    )
+
+
+def mla_descriptor(
+    *,
+    model: str,
+    num_layers: int,
+    kv_lora_rank: int,
+    rope_head_dim: int,
+    tenant_namespace: str = "default",
+    model_revision: str = "main",
+    tokenizer_revision: str = "main",
+    engine_family: str = "vllm",
+    block_size: int = 64,
+    dtype: DType = DType.BFLOAT16,
+    rope_theta: float = 10000.0,
+) -> StateDescriptor:
+    """A Multi-head Latent Attention model: per token a latent and a decoupled RoPE key."""
+    return StateDescriptor(
+        tenant_namespace=tenant_namespace,
+        model=model,
+        model_revision=model_revision,
+        tokenizer_revision=tokenizer_revision,
+        engine_family=engine_family,
+        semantic_type=SemanticType.MLA,
+        layer_groups=(
+            LayerGroup(
+                kv_group=0,
+                semantic_type=SemanticType.MLA,
+                layers=tuple(range(num_layers)),
+                granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
+                tensors=(
+                    TensorSpec(role=TensorRole.LATENT, shape=(kv_lora_rank,), dtype=dtype),
+                    TensorSpec(role=TensorRole.ROPE_KEY, shape=(rope_head_dim,), dtype=dtype),
+                ),
+            ),
+        ),
+        layout=LayoutConvention(layout="paged_latent", position="rope_deferred", rope_theta=rope_theta),
+    )
+
+
+KNOWN_MODELS = {
+    "meta-llama/Llama-3.1-8B": dict(kind="gqa", num_layers=32, num_kv_heads=8, head_dim=128),
+    "meta-llama/Llama-3.1-70B": dict(kind="gqa", num_layers=80, num_kv_heads=8, head_dim=128),
+    "Qwen/Qwen3-32B": dict(kind="gqa", num_layers=64, num_kv_heads=8, head_dim=128, rope_theta=1000000.0),
+    "deepseek-ai/DeepSeek-V3": dict(kind="mla", num_layers=61, kv_lora_rank=512, rope_head_dim=64),
+}
+
+
+def known_model(name: str, **overrides: object) -> StateDescriptor:
+    """Descriptor of one of :data:`KNOWN_MODELS` (keyword overrides: tenant, block size, ...)."""
+    spec = dict(KNOWN_MODELS[name])
+    kind = spec.pop("kind")
+    spec.update(overrides)
+    if kind == "mla":
+        return mla_descriptor(model=name, **spec)  # type: ignore[arg-type]
+    return gqa_descriptor(model=name, **spec)  # type: ignore[arg-type]

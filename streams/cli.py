@@ -1,0 +1,166 @@
+"""``nexuskv`` — the command line. The composition root: it wires settings to the edges.
+
+Commands:
+
+* ``nexuskv up`` — start the bus (``NEXUSKV_BROKER`` or an embedded broker), create the topics,
+  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started.
+* ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
+  Kafka) and print its URL until interrupted.
+* ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
+* ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
+* ``nexuskv config`` — print the settings table (environment variable, default, meaning).
+
+Errors print one line, ``nexuskv: error: ...``, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from nexuskv.config import Settings, setting_rows
+from nexuskv.errors import ConfigError, NexusKVError
+
+__all__ = ["main"]
+
+log = logging.getLogger("nexuskv")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return int(args.func(args, settings) or 0)
+    except ConfigError as exc:
+        print(f"nexuskv: error: {exc}", file=sys.stderr)
+        return 2
+    except NexusKVError as exc:
+        print(f"nexuskv: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nexuskv", description="NexusKV: the Model State Intelligence Layer.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the bus, topics and stream workers; stop on SIGINT/SIGTERM")
+    up.add_argument("--no-workers", action="store_true", help="start only the bus and topics")
+    up.set_defaults(func=_cmd_up)
+
+    broker = sub.add_parser("broker", help="run an embedded broker and print its URL")
+    broker.add_argument("--apache-kafka", action="store_true", help="run Apache Kafka (KRaft) instead of Tansu")
+    broker.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
+    broker.set_defaults(func=_cmd_broker)
+
+    topics = sub.add_parser("topics", help="create or list topics")
+    topics.add_argument("action", choices=["create", "list"])
+    topics.set_defaults(func=_cmd_topics)
+
+    schemas = sub.add_parser("schemas", help="export the wire contracts' JSON Schemas")
+    schemas.add_argument("--out", type=Path, default=Path("infra/schemas"))
+    schemas.set_defaults(func=_cmd_schemas)
+
+    config = sub.add_parser("config", help="print the settings table")
+    config.add_argument("--markdown", action="store_true", help="as the README's markdown table")
+    config.set_defaults(func=_cmd_config)
+    return p
+
+
+class _Stop:
+    """Turns SIGINT/SIGTERM into an event the main thread waits on."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self.event.set()
+
+    def wait(self) -> None:
+        while not self.event.wait(0.5):
+            pass
+
+
+def _cmd_broker(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import ApacheKafkaBroker, TansuBroker
+
+    stop = _Stop()
+    kind = ApacheKafkaBroker if args.apache_kafka else TansuBroker
+    broker = kind(port=args.port, start_timeout_s=max(settings.broker_start_timeout_s, 90 if args.apache_kafka else 0))
+    with broker:
+        print(broker.url, flush=True)
+        stop.wait()
+    return 0
+
+
+def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import open_bus
+    from streams.topics import ensure_topics, list_topics
+
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        if args.action == "create":
+            states = asyncio.run(ensure_topics(url, partitions=settings.topic_partitions,
+                                               replication=settings.topic_replication))
+            for s in states:
+                print(f"{s.name}\t{s.partitions}\t{'created' if s.created else 'exists'}")
+        else:
+            for name, parts in asyncio.run(list_topics(url)).items():
+                print(f"{name}\t{parts}")
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import open_bus
+    from streams.services import start_services
+    from streams.topics import ensure_topics
+
+    stop = _Stop()
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
+        print(f"nexuskv: bus at {url}; topics ready", flush=True)
+        with start_services(url, settings, enabled=not args.no_workers) as running:
+            names = ", ".join(s.name for s in running) or "none"
+            print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
+            stop.wait()
+            print("nexuskv: stopping", flush=True)
+    return 0
+
+
+def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.schemas import export_schemas
+
+    for path in export_schemas(args.out):
+        print(path)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
+    rows = setting_rows()
+    if args.markdown:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for var, default, doc in rows:
+            print(f"| `{var}` | {default} | {doc} |")
+    else:
+        shown = settings.model_dump(mode="json")
+        if shown.get("identity_secret"):
+            shown["identity_secret"] = "***"
+        print(json.dumps(shown, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The stream workers ``nexuskv up`` runs, each as its own process on the same bus.
+
+A service is a module run with ``python -m``; it reads its settings from the environment
+(``NEXUSKV_BROKER`` is set to the bus ``up`` opened). Every process is bound to ``up``: when
+``up`` stops (or dies), they stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.errors import BrokerError
+from streams.process import ManagedProcess
+
+__all__ = ["Service", "SERVICES", "start_services"]
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    name: str
+    module: str  # run as ``python -m module``
+    doc: str
+
+
+#: Registered stream workers, in start order. Later components add themselves here.
+SERVICES: tuple[Service, ...] = ()
+
+
+@contextlib.contextmanager
+def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
+                   services: tuple[Service, ...] | None = None) -> Iterator[list[Service]]:
+    """Start every service; stop all of them (TERM, then KILL) when the block ends."""
+    chosen = list(SERVICES if services is None else services) if enabled else []
+    env = dict(os.environ, NEXUSKV_BROKER=str(url))
+    log_dir = Path(settings.data_dir) / "logs"
+    procs: list[tuple[Service, ManagedProcess]] = []
+    try:
+        for svc in chosen:
+            proc = ManagedProcess([sys.executable, "-m", svc.module], name=svc.name,
+                                  log_path=log_dir / f"{svc.name}.log", env=env)
+            proc.start()
+            procs.append((svc, proc))
+        time.sleep(0.2 if procs else 0)
+        for svc, proc in procs:
+            if not proc.alive():
+                raise BrokerError(f"service {svc.name} exited at start; log tail:\n{proc.log_tail()}")
+        yield chosen
+    finally:
+        for _svc, proc in reversed(procs):
+            proc.stop()
