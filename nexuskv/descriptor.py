@@ -292,7 +292,8 @@ class StateDescriptor(Contract):
     model_revision: Name
     tokenizer_revision: Name
     engine_family: Name  # "vllm", "sglang", "nexuskv-reference", ...
-    semantic_type: SemanticType
+    #: Derived from the groups (their common type, or ``hybrid``); checked when given.
+    semantic_type: SemanticType | None = None
     parallel: ParallelScope = ParallelScope()
     layer_groups: tuple[LayerGroup, ...] = Field(min_length=1, max_length=64)
     quantization: Quantization = Quantization()
@@ -319,10 +320,11 @@ class StateDescriptor(Contract):
             raise ValueError("layer_groups: a layer may belong to one group only")
         kinds = {g.semantic_type for g in self.layer_groups}
         expected = SemanticType.HYBRID if len(kinds) > 1 else next(iter(kinds))
-        if self.semantic_type is not expected:
+        if self.semantic_type is not None and self.semantic_type is not expected:
             raise ValueError(
                 f"semantic_type: groups make this {expected.value!r}, not {self.semantic_type.value!r}"
             )
+        self.__dict__["semantic_type"] = expected
         digest = _digest(compatibility_view(self))
         if self.descriptor_id and self.descriptor_id != digest:
             raise ValueError("descriptor_id: does not match the descriptor's compatibility-relevant fields")
@@ -361,14 +363,14 @@ class StateDescriptor(Contract):
 
 #: Top-level fields of StateDescriptor that decide whether two states are interchangeable.
 #: Everything else (tenant, capabilities, conversions, transfer paths, restore cost) is about
-#: how the state may be used. Nested fields of these are all relevant.
+#: how the state may be used. Nested fields of these are all relevant. The top-level
+#: ``semantic_type`` is a function of the groups' types, which are compared instead.
 COMPATIBILITY_FIELDS: tuple[str, ...] = (
     "schema_version",
     "model",
     "model_revision",
     "tokenizer_revision",
     "engine_family",
-    "semantic_type",
     "parallel",
     "layer_groups",
     "quantization",

@@ -16,7 +16,7 @@ Every engine's blocks map into one key space. A canonical block key is::
 * **Stable**: no Python ``hash()``, no PYTHONHASHSEED; the same bytes give the same keys in any
   process. BLAKE2b is a keyed cryptographic hash in CPython's hashlib: collisions cannot be
   crafted to poison another prompt's state (vLLM recommends SHA-256 for the same reason), and it
-  hashes a 16-token block in about 2 µs here (``benchmarks/bench_identity.py``).
+  keys an 8K-token prompt (512 blocks) in about 0.5 ms here (``benchmarks/bench_identity.py``).
 
 Only *full* blocks have keys, as in vLLM: a partial trailing block is always recomputed.
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any, NewType
 
@@ -135,7 +137,8 @@ class BlockKeyer:
         ``extra_keys``, when given, has one entry per full block (None for none); it carries
         what else the block's state depends on (multimodal item hashes, prompt-embeds digests).
         """
-        return [key_from_bytes(d) for d in self.digests(token_ids, parent=parent, extra_keys=extra_keys)]
+        from_bytes = int.from_bytes
+        return [from_bytes(d, "big") for d in self.digests(token_ids, parent=parent, extra_keys=extra_keys)]  # type: ignore[misc]
 
     def digests(
         self,
@@ -198,20 +201,34 @@ def key_from_bytes(raw: bytes) -> BlockKey:
     return BlockKey(int.from_bytes(raw, "big"))
 
 
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as uint32 little-endian bytes, validating range and type.
+
+    ``array('I')`` converts a list about 5x faster than numpy here (75 µs against 370 µs for
+    8K tokens), and rejects negative, too large and non-integer ids by itself.
+    """
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise IdentityError(f"token_ids: must be one-dimensional, got shape {token_ids.shape}")
+        if token_ids.size == 0:
+            return b""
+        if token_ids.dtype.kind not in "iu":
+            raise IdentityError(f"token_ids: must be integers, got {token_ids.dtype}")
+        if int(token_ids.min()) < 0 or int(token_ids.max()) > _MAX_TOKEN:
+            raise IdentityError("token_ids: each id must be in [0, 2**32)")
+        return token_ids.astype("<u4", copy=False).tobytes()
     try:
-        arr = np.asarray(token_ids)
-    except (TypeError, ValueError) as exc:
+        packed = array(_U32, token_ids)
+    except OverflowError:
+        raise IdentityError("token_ids: each id must be in [0, 2**32)") from None
+    except TypeError as exc:
         raise IdentityError(f"token_ids: not a sequence of ints ({exc})") from None
-    if arr.ndim != 1:
-        raise IdentityError(f"token_ids: must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return b""
-    if arr.dtype.kind not in "iu":
-        raise IdentityError(f"token_ids: must be integers, got {arr.dtype}")
-    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
-        raise IdentityError("token_ids: each id must be in [0, 2**32)")
-    return arr.astype("<u4", copy=False).tobytes()
+    if sys.byteorder != "little":  # pragma: no cover - x86 and arm64 are little-endian
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _extra_bytes(extra: Any) -> bytes:

@@ -47,8 +47,10 @@ MAX_BLOCKS_PER_EVENT = 4096
 MAX_EVENTS_PER_BATCH = 65536
 MAX_TOKENS_PER_EVENT = 1 << 20
 
-#: An engine's block hash, normalised to a non-negative int (u64, or a raw digest's value).
-EngineHash = Annotated[int, Field(ge=0, lt=2**256)]
+#: An engine's block hash, normalised to an unsigned 64-bit int (as llm-d and Dynamo do: signed
+#: ints are taken mod 2**64, raw digests by their last 8 bytes big-endian). Engine hashes only
+#: resolve parents and removals inside one publisher; canonical keys are 128-bit.
+EngineHash = Annotated[int, Field(ge=0, lt=2**64)]
 Text = Annotated[str, Field(min_length=1, max_length=1024)]
 
 

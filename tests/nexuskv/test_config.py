@@ -1,0 +1,56 @@
+from pathlib import Path
+
+import pytest
+
+from nexuskv.config import Settings, parse_broker_url, setting_rows
+from nexuskv.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts"),
+    [
+        ("kafka://127.0.0.1:9092", (("127.0.0.1", 9092),)),
+        ("kafka://a:1,b:2/", (("a", 1), ("b", 2))),
+        ("kafka://[::1]:9092", (("::1", 9092),)),
+    ],
+)
+def test_good_broker_urls(url, hosts):
+    parsed = parse_broker_url(url)
+    assert parsed.hosts == hosts
+    assert parsed.bootstrap_servers == ",".join(f"{h}:{p}" for h, p in hosts)
+
+
+@pytest.mark.parametrize("url", ["", "127.0.0.1:9092", "http://a:1", "kafka://", "kafka://a", "kafka://a:0",
+                                 "kafka://a:99999", "kafka://a:x", "kafka://a b:1", "kafka://a:1,,b:2"])
+def test_bad_broker_urls_name_the_setting_and_the_url(url):
+    with pytest.raises(ConfigError) as info:
+        parse_broker_url(url)
+    assert info.value.field == "NEXUSKV_BROKER"
+    assert repr(url) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_settings_from_env_and_errors_name_the_variable():
+    s = Settings.from_env({"NEXUSKV_BROKER": "kafka://h:1", "NEXUSKV_TOPIC_PARTITIONS": "3",
+                           "NEXUSKV_DATA_DIR": "/tmp/x", "NEXUSKV_LOG_LEVEL": "debug"})
+    assert s.broker_url.hosts == (("h", 1),) and s.topic_partitions == 3 and s.data_dir == Path("/tmp/x")
+    assert s.log_level == "DEBUG"
+    assert Settings.from_env({}).broker is None and Settings.from_env({"NEXUSKV_BROKER": " "}).broker is None
+    for env, var in [({"NEXUSKV_TOPIC_PARTITIONS": "zero"}, "NEXUSKV_TOPIC_PARTITIONS"),
+                     ({"NEXUSKV_TOPIC_PARTITIONS": "0"}, "NEXUSKV_TOPIC_PARTITIONS"),
+                     ({"NEXUSKV_BROKER": "nope"}, "NEXUSKV_BROKER"),
+                     ({"NEXUSKV_LOG_LEVEL": "loud"}, "NEXUSKV_LOG_LEVEL"),
+                     ({"NEXUSKV_IDENTITY_SECRET": "x" * 65}, "NEXUSKV_IDENTITY_SECRET")]:
+        with pytest.raises(ConfigError) as info:
+            Settings.from_env(env)
+        assert info.value.field == var
+        assert str(info.value).startswith(var)
+
+
+def test_every_setting_has_an_env_name_and_a_doc_and_the_readme_lists_it():
+    rows = setting_rows()
+    assert len({r[0] for r in rows}) == len(rows) == len(Settings.model_fields)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for var, _default, doc in rows:
+        assert var.startswith("NEXUSKV_") and doc
+        assert f"`{var}`" in readme, f"README's configuration table lacks {var}"
