@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgpack
 import numpy as np
 
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity, Snapshot
@@ -62,7 +63,7 @@ from nexuskv.keytable import KeyTable
 from nexuskv.locsets import LocationSets
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 
-__all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "FORGET_POLICY"]
+__all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "FORGET_POLICY", "CHECKPOINT_VERSION"]
 
 FORGET_POLICY = "sweep"
 _MIX_PUB = 0x9E3779B97F4A7C15
@@ -70,6 +71,7 @@ _MIX_MUL = 0xBF58476D1CE4E5B9
 _MIX_INV = pow(_MIX_MUL, -1, 1 << 64)
 _U64 = np.uint64
 _MATCH_CACHE_MAX = 1 << 16
+CHECKPOINT_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -583,3 +585,77 @@ class GlobalIndex:
                 out.setdefault((self._pub_list[where.pid].name, where.tier, where.group), set()).add(
                     (self._scopes[scope], key))
         return out
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def checkpoint(self, publishers: Sequence[str]) -> bytes:
+        """The complete state of ``publishers`` (facts, engine maps, sequence and certainty) as bytes.
+
+        :meth:`restore` of these bytes into any index reproduces exactly these publishers' facts
+        and answers; the stream worker writes one per partition (``streams/index_worker.py``).
+        """
+        scopes: dict[int, int] = {}
+        out = []
+        setcol = self._blocks.values["set"]
+        for name in publishers:
+            pub = self._pubs.get(name)
+            if pub is None:
+                continue
+            eslots = np.flatnonzero(self._engine.tag == pub.tag)
+            blocks = self._engine.values["ref"][eslots].astype(np.intp)
+            local = np.array([scopes.setdefault(int(t) - 1, len(scopes)) for t in self._blocks.tag[blocks].tolist()],
+                             np.uint32)
+            sets = setcol[blocks]
+            held = [np.flatnonzero(self._holds(sets, 1 << loc)).astype(np.uint32).tobytes()
+                    for loc in pub.locs.values()]
+            out.append({
+                "name": name, "incarnation": pub.incarnation, "next_seq": pub.next_seq, "certain": pub.certain,
+                "reason": pub.reason, "in_snapshot": pub.in_snapshot, "clean": pub.snapshot_clean,
+                "locs": [[t.value, g] for (t, g) in pub.locs], "held": held,
+                "ehash": self._engine_hashes(pub, self._engine.k1[eslots]).astype("<u8").tobytes(),
+                "lo": self._blocks.k1[blocks].astype("<u8").tobytes(),
+                "hi": self._blocks.k2[blocks].astype("<u8").tobytes(),
+                "scope": local.astype("<u4").tobytes(),
+            })
+        scope_list = [None] * len(scopes)
+        for sid, j in scopes.items():
+            scope_list[j] = self._scopes[sid].model_dump(mode="json")
+        return msgpack.packb({"version": CHECKPOINT_VERSION, "scopes": scope_list, "publishers": out},
+                             use_bin_type=True)
+
+    def restore(self, data: bytes) -> tuple[str, ...]:
+        """Load a :meth:`checkpoint`, replacing whatever this index held for its publishers."""
+        doc = msgpack.unpackb(data, raw=False)
+        if doc.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"index checkpoint version {doc.get('version')!r} is not {CHECKPOINT_VERSION}")
+        scope_ids = [self._scope_id(IdentityScope.model_validate(s), create=True) for s in doc["scopes"]]
+        names = []
+        for item in doc["publishers"]:
+            name = item["name"]
+            pub = self._pubs.get(name)
+            if pub is None:
+                pub = _Publisher(pid=len(self._pub_list), name=name, incarnation=0, next_seq=0)
+                self._pubs[name] = pub
+                self._pub_list.append(pub)
+            else:
+                self._clear(pub, None)
+            pub.incarnation, pub.next_seq = item["incarnation"], item["next_seq"]
+            pub.certain, pub.reason = item["certain"], item["reason"]
+            pub.in_snapshot, pub.snapshot_clean = item["in_snapshot"], item["clean"]
+            ehash = np.frombuffer(item["ehash"], "<u8").astype(np.uint64)
+            lo = np.frombuffer(item["lo"], "<u8").astype(np.uint64)
+            hi = np.frombuffer(item["hi"], "<u8").astype(np.uint64)
+            local = np.frombuffer(item["scope"], "<u4").astype(np.intp)
+            for j in np.unique(local).tolist():
+                rows = np.flatnonzero(local == j)
+                self._find_or_insert_blocks(lo[rows], hi[rows], scope_ids[j] + 1)
+            # Found again after every insert: an insert may have rehashed the table (slots move).
+            blocks = self._blocks.find(lo, hi, np.array([scope_ids[j] + 1 for j in local.tolist()], np.uint32))
+            self._map_engine(pub, ehash, blocks)
+            for (tier, group), held in zip(item["locs"], item["held"]):
+                loc = self._location(pub, Tier(tier), int(group))
+                rows = np.frombuffer(held, "<u4").astype(np.intp)
+                if len(rows):
+                    self._add_location(blocks[rows], loc)
+            names.append(name)
+        return tuple(names)
