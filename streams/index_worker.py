@@ -149,7 +149,9 @@ class IndexWorker:
         self.skipped = 0
         self.dead_letters = 0
         self._producer: AIOKafkaProducer | None = None
-        self.app = make_faust_app(group, url, data_dir=Path(data_dir) / "faust" / group, topic_partitions=partitions)
+        faust_dir = Path(data_dir) / "faust" / group
+        faust_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.app = make_faust_app(group, url, data_dir=faust_dir, topic_partitions=partitions)
         source = self.app.topic(topic, key_type=bytes, value_type=bytes)
 
         async def apply_batches(stream: Any) -> None:
