@@ -188,7 +188,7 @@ class Settings(BaseModel):
             field = str(err["loc"][0]) if err.get("loc") else "settings"
             info = cls.model_fields.get(field)
             name = _env_name(info) if info is not None else field
-            raise ConfigError(name, _short(err)) from None
+            raise ConfigError(name, _short(err, secret=field in _SECRETS)) from None
 
 
 def _env_name(info: Any) -> str:
@@ -196,11 +196,14 @@ def _env_name(info: Any) -> str:
     return str(extra["env"])
 
 
-def _short(err: Mapping[str, Any]) -> str:
+_SECRETS = frozenset({"identity_secret", "index_api_tokens"})  # never echoed in an error
+
+
+def _short(err: Mapping[str, Any], *, secret: bool = False) -> str:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    got = err.get("input")
+    got = None if secret else err.get("input")
     return f"{msg} (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else msg
 
 
