@@ -24,6 +24,21 @@ from nexuskv.descriptor import (
 __all__ = ["gqa_descriptor", "mla_descriptor", "hybrid_descriptor", "KNOWN_MODELS", "known_model"]
 
 
+def _kv_group(kv_group: int, semantic_type: SemanticType, layers: tuple[int, ...], block_size: int, heads: int,
+              head_dim: int, dtype: DType) -> LayerGroup:
+    """A key/value attention group: per token, K and V of ``heads`` heads of ``head_dim``."""
+    return LayerGroup(
+        kv_group=kv_group,
+        semantic_type=semantic_type,
+        layers=layers,
+        granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
+        tensors=(
+            TensorSpec(role=TensorRole.KEY, shape=(heads, head_dim), dtype=dtype),
+            TensorSpec(role=TensorRole.VALUE, shape=(heads, head_dim), dtype=dtype),
+        ),
+    )
+
+
 def gqa_descriptor(
     *,
     model: str,
@@ -52,18 +67,7 @@ def gqa_descriptor(
         engine_family=engine_family,
         semantic_type=semantic_type,
         parallel=ParallelScope(tp_rank=tp_rank, tp_size=tp_size),
-        layer_groups=(
-            LayerGroup(
-                kv_group=0,
-                semantic_type=semantic_type,
-                layers=tuple(range(num_layers)),
-                granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
-                tensors=(
-                    TensorSpec(role=TensorRole.KEY, shape=(heads, head_dim), dtype=dtype),
-                    TensorSpec(role=TensorRole.VALUE, shape=(heads, head_dim), dtype=dtype),
-                ),
-            ),
-        ),
+        layer_groups=(_kv_group(0, semantic_type, tuple(range(num_layers)), block_size, heads, head_dim, dtype),),
         layout=LayoutConvention(layout=layout, position="rope_applied", rope_theta=rope_theta),
     )
 
@@ -140,16 +144,7 @@ def hybrid_descriptor(
         engine_family=engine_family,
         semantic_type=SemanticType.HYBRID,
         layer_groups=(
-            LayerGroup(
-                kv_group=0,
-                semantic_type=SemanticType.GQA,
-                layers=attention_layers,
-                granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
-                tensors=(
-                    TensorSpec(role=TensorRole.KEY, shape=(num_kv_heads, head_dim), dtype=dtype),
-                    TensorSpec(role=TensorRole.VALUE, shape=(num_kv_heads, head_dim), dtype=dtype),
-                ),
-            ),
+            _kv_group(0, SemanticType.GQA, attention_layers, block_size, num_kv_heads, head_dim, dtype),
             LayerGroup(
                 kv_group=1,
                 semantic_type=SemanticType.RECURRENT,

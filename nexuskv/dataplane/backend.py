@@ -11,13 +11,19 @@ For host-memory tiers ``buf`` *is* the stored payload (no second copy); the CUDA
 returns a pinned staging buffer and uploads it on a dedicated stream in ``commit``; the disk
 and remote tiers write or send it. A tier never stores a payload it has not been handed whole,
 and a full tier raises :class:`~nexuskv.errors.TierFullError` having stored nothing.
+
+When the source keeps payloads in host memory (:meth:`TierBackend.borrow`) and the destination
+writes or sends bytes rather than keeping a buffer (``writes_from_views``: disk, remote), the
+payload is verified in place at the source and written from there (:meth:`TierBackend.commit_view`):
+no staging copy. The remote server verifies what it received once more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -25,11 +31,18 @@ from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey, verify_payload
 from nexuskv.errors import TierFullError
 
-__all__ = ["TierBackend", "BufferPool", "host_view"]
+__all__ = ["TierBackend", "StagedBackend", "Reservation", "BufferPool", "host_view"]
 
 
 class TierBackend(ABC):
     """One tier's store of payloads: capacity in bytes, payload handles, checksummed reads."""
+
+    #: True when commit_view writes straight from a borrowed host view (disk, remote): a transfer
+    #: into this tier then needs no staging buffer when its source can lend views.
+    writes_from_views = False
+    #: True when commit itself verifies the bytes against the header's checksum before storing
+    #: (the remote server does): the executor then does not hash them a second time on the way.
+    verifies_on_commit = False
 
     def __init__(self, *, label: str, capacity_bytes: int, capabilities: Capabilities) -> None:
         if capacity_bytes < 0:
@@ -39,6 +52,7 @@ class TierBackend(ABC):
         self.capabilities = capabilities
         self._lock = threading.Lock()
         self._used = 0
+        self._reserved = 0
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -48,15 +62,30 @@ class TierBackend(ABC):
             return self._used
 
     def free_bytes(self) -> int:
-        """Payload bytes that still fit."""
+        """Payload bytes that still fit (neither stored nor reserved)."""
         with self._lock:
-            return self.capacity_bytes - self._used
+            return self.capacity_bytes - self._used - self._reserved
 
-    def _admit(self, key: PayloadKey, nbytes: int) -> None:
-        """Reserve ``nbytes`` (call with the lock held); TierFullError when they do not fit."""
-        if self._used + nbytes > self.capacity_bytes:
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Set ``nbytes`` aside for commits that pass the reservation; None when they do not fit.
+
+        A transfer reserves all it needs before it copies a byte, so concurrent transfers into a
+        small tier are admitted or rejected whole instead of all failing halfway.
+        """
+        with self._lock:
+            if self._used + self._reserved + nbytes > self.capacity_bytes:
+                return None
+            self._reserved += nbytes
+        return Reservation(self, nbytes)
+
+    def _admit(self, key: PayloadKey, nbytes: int, reservation: Reservation | None = None) -> None:
+        """Account ``nbytes`` (call with the lock held), from ``reservation`` when it covers them."""
+        if reservation is not None and reservation.backend is self and reservation.remaining >= nbytes:
+            reservation.remaining -= nbytes
+            self._reserved -= nbytes
+        elif self._used + self._reserved + nbytes > self.capacity_bytes:
             raise TierFullError(f"{self.label}: {nbytes} bytes for {key} do not fit "
-                                f"({self.capacity_bytes - self._used} of {self.capacity_bytes} free)")
+                                f"({self.capacity_bytes - self._used - self._reserved} of {self.capacity_bytes} free)")
         self._used += nbytes
 
     def _handle(self, header: PayloadHeader) -> PayloadHandle:
@@ -85,11 +114,13 @@ class TierBackend(ABC):
         """A host uint8 buffer of ``nbytes`` that a payload headed for this tier arrives in."""
 
     @abstractmethod
-    def commit(self, header: PayloadHeader, buf: torch.Tensor) -> PayloadHandle:
+    def commit(self, header: PayloadHeader, buf: torch.Tensor,
+               reservation: Reservation | None = None) -> PayloadHandle:
         """Store ``buf`` (from :meth:`receive_buffer`) under ``header``; this tier owns it now.
 
         Raises TierFullError (nothing stored, ``buf`` released) when it does not fit. A payload
-        already held under the same key is kept and ``buf`` released: the first copy wins.
+        already held under the same key is kept and ``buf`` released: the first copy wins. The
+        bytes come out of ``reservation`` when it is this tier's and covers them.
         """
 
     @abstractmethod
@@ -113,7 +144,25 @@ class TierBackend(ABC):
     def contains(self, key: PayloadKey) -> bool:
         return self.header(key) is not None
 
-    def put(self, header: PayloadHeader, data: torch.Tensor) -> PayloadHandle:
+    def headers(self, keys: Sequence[PayloadKey]) -> list[PayloadHeader | None]:
+        """:meth:`header` of each key, in order (one round trip on the remote tier)."""
+        return [self.header(k) for k in keys]
+
+    @contextlib.contextmanager
+    def borrow(self, key: PayloadKey) -> Iterator[tuple[PayloadHeader, torch.Tensor] | None]:
+        """A zero-copy host view of a stored payload for the block's duration, or None.
+
+        None when the tier cannot lend one (bytes not in this process's host memory) or does
+        not hold ``key``. A borrowed payload deleted meanwhile keeps its bytes until returned.
+        """
+        yield None
+
+    def commit_view(self, header: PayloadHeader, data: torch.Tensor,
+                    reservation: Reservation | None = None) -> PayloadHandle:
+        """Store a copy of host tensor ``data`` (the caller keeps it): :meth:`put`, unless cheaper."""
+        return self.put(header, data, reservation)
+
+    def put(self, header: PayloadHeader, data: torch.Tensor, reservation: Reservation | None = None) -> PayloadHandle:
         """Copy ``data`` (a uint8 tensor of ``header.nbytes``) in and commit it."""
         buf = self.receive_buffer(header.nbytes)
         try:
@@ -121,7 +170,7 @@ class TierBackend(ABC):
         except BaseException:
             self.release(buf)
             raise
-        return self.commit(header, buf)
+        return self.commit(header, buf, reservation)
 
     def get(self, key: PayloadKey) -> tuple[PayloadHeader, torch.Tensor] | None:
         """A verified host copy of the payload, or None when not held. IntegrityError if corrupt."""
@@ -142,11 +191,85 @@ class TierBackend(ABC):
         return f"<{type(self).__name__} {self.label} {self.capabilities.tier.value} {self.used_bytes()}/{self.capacity_bytes} B>"
 
 
+class StagedBackend(TierBackend):
+    """A tier that writes or sends bytes from host memory rather than keeping buffers (disk, remote).
+
+    Payloads headed here arrive in pooled host buffers (pinned with CUDA) that are given back
+    once written; :meth:`commit` is :meth:`commit_view` of the buffer; reads into device memory
+    land in a pooled host buffer first (:meth:`_host_target`).
+    """
+
+    writes_from_views = True
+
+    def __init__(self, *, label: str, capacity_bytes: int, capabilities: Capabilities, pin: bool) -> None:
+        super().__init__(label=label, capacity_bytes=capacity_bytes, capabilities=capabilities)
+        self._pool = BufferPool(pin=pin, max_bytes=64 << 20)
+
+    @abstractmethod
+    def commit_view(self, header: PayloadHeader, data: torch.Tensor,
+                    reservation: Reservation | None = None) -> PayloadHandle:
+        """Write or send host tensor ``data`` under ``header`` (the caller keeps ``data``)."""
+
+    def commit(self, header: PayloadHeader, buf: torch.Tensor,
+               reservation: Reservation | None = None) -> PayloadHandle:
+        try:
+            return self.commit_view(header, buf, reservation)
+        finally:
+            self.release(buf)
+
+    def receive_buffer(self, nbytes: int) -> torch.Tensor:
+        return self._pool.take(nbytes)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._pool.give(buf)
+
+    @contextlib.contextmanager
+    def _host_target(self, out: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``out`` itself when in host memory; else a pooled host buffer copied into ``out`` on success."""
+        if out.device.type == "cpu":
+            yield out
+            return
+        staged = self._pool.take(out.numel())
+        try:
+            yield staged
+            out.copy_(staged)
+        finally:
+            self._pool.give(staged)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+
+class Reservation:
+    """Bytes set aside in one backend; :meth:`release` returns what commits did not use."""
+
+    __slots__ = ("backend", "nbytes", "remaining")
+
+    def __init__(self, backend: TierBackend, nbytes: int) -> None:
+        self.backend = backend
+        self.nbytes = nbytes
+        self.remaining = nbytes
+
+    def release(self) -> None:
+        backend = self.backend
+        with backend._lock:
+            backend._reserved -= self.remaining
+            self.remaining = 0
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def host_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without a copy."""
     if t.device.type != "cpu":
         raise ValueError(f"host_view: tensor is on {t.device}, not in host memory")
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+    if t.dtype is not torch.uint8 or not t.is_contiguous():
+        t = t.contiguous().view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
 
 
 class BufferPool:

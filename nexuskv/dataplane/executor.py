@@ -5,7 +5,10 @@ For one command it resolves the source and destination backends through the
 everything it can before moving a byte (deadline, cancellation, every block present at the
 source, room at the destination), then copies block by block on ``lanes`` threads — each block
 read straight into the buffer it will be stored in, verified against its checksum there, then
-committed (:mod:`nexuskv.dataplane.backend`). The outcome is one
+committed (:mod:`nexuskv.dataplane.backend`) — or, into a disk or remote tier from a tier
+that lends host views, verified in place and written from there (the remote server verifies
+what it receives against the same checksum, so the executor does not hash it twice). The
+outcome is one
 :class:`~nexuskv.contracts.transfers.TransferResult`:
 
 * ``completed`` only when every block is at the destination, verified, before the deadline;
@@ -13,8 +16,9 @@ committed (:mod:`nexuskv.dataplane.backend`). The outcome is one
   block and at the end: a transfer that finishes late is not reported as done);
 * ``cancelled`` when :meth:`TransferExecutor.cancel` was called for it;
 * ``integrity_error`` when a block's bytes or header do not match its checksum or address;
-* ``rejected_capacity`` when the destination cannot hold the blocks (nothing is copied when that
-  is known up front);
+* ``rejected_capacity`` when the destination cannot hold the blocks: the room is reserved before
+  the first byte moves, so a transfer that does not fit is rejected whole, with the numbers (the
+  shared remote tier can only be checked, not reserved: a PUT it refuses midway rolls back);
 * ``not_found`` when a block is not at the source; ``failed`` for anything else, with the reason.
 
 A transfer that does not complete leaves the destination as it found it: blocks it had already
@@ -35,18 +39,19 @@ Deadlines, result timestamps and the observation's ``observed_at`` use the injec
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nexuskv.contracts.observations import ObservationRecord, TransferObservation
 from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
-from nexuskv.dataplane.backend import TierBackend, host_view
+from nexuskv.dataplane.backend import Reservation, TierBackend, host_view
 from nexuskv.dataplane.catalog import BackendCatalog, SelectionPolicy
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey, verify_payload
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
@@ -87,6 +92,7 @@ class _Abort(Exception):
 class _Progress:
     """Shared by the lanes of one transfer."""
 
+    reservation: Reservation | None = None
     committed: list[PayloadKey] = field(default_factory=list)
     bytes: int = 0
     failure: _Abort | None = None
@@ -210,14 +216,15 @@ class TransferExecutor:
                                                       f"the transfer started"))
         src_keys = [PayloadKey(cmd.descriptor_id, k, cmd.source.group) for k in cmd.keys]
         try:
-            src, dst, todo = self._plan(cmd, src_keys)
+            src, dst, todo, reservation = self._plan(cmd, src_keys)
         except _Abort as abort:
             return TransferOutcome(self._result(cmd, abort.status, started, error=abort.reason))
 
         device = _device_of(src, dst)
-        progress = _Progress()
+        progress = _Progress(reservation=reservation)
         t0 = time.perf_counter()
-        self._copy(job, src, dst, todo, progress)
+        with reservation:
+            self._copy(job, src, dst, todo, progress)
         duration = time.perf_counter() - t0
         failure = progress.failure
         finished = self.clock()
@@ -240,21 +247,20 @@ class TransferExecutor:
         return TransferOutcome(result, observation)
 
     def _plan(self, cmd: TransferCommand, keys: Sequence[PayloadKey]
-              ) -> tuple[TierBackend, TierBackend, list[tuple[PayloadKey, PayloadHeader]]]:
-        """Source, destination and the blocks to copy; _Abort when the transfer cannot start."""
+              ) -> tuple[TierBackend, TierBackend, list[tuple[PayloadKey, PayloadHeader]], Reservation]:
+        """Source, destination, the blocks to copy and the room reserved for them; _Abort when
+        the transfer cannot start (nothing has moved then)."""
         src = self.catalog.source_for(cmd.source, keys[0])
         if src is None:
             if not self.catalog.reachable(cmd.source):
                 raise _Abort(TransferStatus.FAILED, f"no backend of tier {cmd.source.tier.value} is reachable at "
                                                     f"{cmd.source} from worker {self.catalog.worker}")
             raise _Abort(TransferStatus.NOT_FOUND, f"block 0 ({keys[0]}) is not held at {cmd.source}")
-        headers = []
         try:
-            for i, key in enumerate(keys):
-                header = src.header(key)
-                if header is None:
-                    raise _Abort(TransferStatus.NOT_FOUND, f"block {i} ({key}) is not held at {cmd.source}")
-                headers.append(header)
+            headers = src.headers(keys)
+            missing = next((i for i, h in enumerate(headers) if h is None), None)
+            if missing is not None:
+                raise _Abort(TransferStatus.NOT_FOUND, f"block {missing} ({keys[missing]}) is not held at {cmd.source}")
             total = sum(h.nbytes for h in headers)
             dst = self.catalog.destination_for(cmd.destination, total, self.policy)
             if dst is None:
@@ -262,16 +268,18 @@ class TransferExecutor:
                                                     f"at {cmd.destination} from worker {self.catalog.worker}")
             if dst is src:
                 raise _Abort(TransferStatus.FAILED, f"source and destination resolve to the same backend {src.label}")
-            todo = [(k, h) for k, h in zip(keys, headers) if not dst.contains(k)]
+            there = dst.headers(keys)
+            todo = [(k, h) for k, h, t in zip(keys, headers, there) if t is None]
             needed = sum(h.nbytes for _, h in todo)
-            free = dst.free_bytes()
+            reservation = dst.reserve(needed)
+            free = dst.free_bytes() if reservation is None else 0
         except TierUnavailableError as exc:
             raise _Abort(TransferStatus.FAILED, str(exc)) from None
-        if needed > free:
+        if reservation is None:
             raise _Abort(TransferStatus.REJECTED_CAPACITY,
                          f"destination {dst.label} ({cmd.destination}) has {free} of {dst.capacity_bytes} bytes "
                          f"free; the transfer needs {needed} for {len(todo)} blocks")
-        return src, dst, todo
+        return src, dst, todo, reservation
 
     def _copy(self, job: _Job, src: TierBackend, dst: TierBackend,
               todo: list[tuple[PayloadKey, PayloadHeader]], progress: _Progress) -> None:
@@ -313,27 +321,41 @@ class TransferExecutor:
 
     def _copy_one(self, src: TierBackend, dst: TierBackend, key: PayloadKey, expected: PayloadHeader,
                   progress: _Progress) -> None:
+        if dst.writes_from_views and self._copy_from_view(src, dst, key, progress.reservation):
+            with progress.lock:
+                progress.committed.append(key)
+                progress.bytes += expected.nbytes
+            return
         buf = dst.receive_buffer(expected.nbytes)
         owned = True  # until commit takes the buffer
         try:
-            header = src.read_into(key, buf)
-            if header is None:
-                raise _Abort(TransferStatus.NOT_FOUND, f"{key} vanished from {src.label} during the transfer")
-            verify_payload(key, header, host_view(buf))
-            owned = False
-            dst.commit(header, buf)
-        except IntegrityError as exc:
-            raise _Abort(TransferStatus.INTEGRITY_ERROR, str(exc)) from None
-        except TierFullError as exc:
-            raise _Abort(TransferStatus.REJECTED_CAPACITY, str(exc)) from None
-        except TierUnavailableError as exc:
-            raise _Abort(TransferStatus.FAILED, str(exc)) from None
+            with _as_outcome():
+                header = src.read_into(key, buf)
+                if header is None:
+                    raise _Abort(TransferStatus.NOT_FOUND, f"{key} vanished from {src.label} during the transfer")
+                verify_payload(key, header, host_view(buf))
+                owned = False
+                dst.commit(header, buf, progress.reservation)
         finally:
             if owned:
                 dst.release(buf)
         with progress.lock:
             progress.committed.append(key)
             progress.bytes += expected.nbytes
+
+    @staticmethod
+    def _copy_from_view(src: TierBackend, dst: TierBackend, key: PayloadKey, reservation: Reservation | None) -> bool:
+        """Verify the payload where the source keeps it and write it from there; False if it cannot lend it."""
+        with _as_outcome(), src.borrow(key) as lent:
+            if lent is None:
+                return False
+            header, data = lent
+            if not dst.verifies_on_commit:
+                verify_payload(key, header, host_view(data))
+            elif header.key != key:
+                raise IntegrityError(f"payload header names {header.key}, not {key}")
+            dst.commit_view(header, data, reservation)
+        return True
 
     def _rollback(self, dst: TierBackend, committed: list[PayloadKey]) -> None:
         for key in committed:
@@ -349,6 +371,19 @@ class TransferExecutor:
                               source=cmd.source, destination=cmd.destination, blocks_moved=blocks,
                               bytes_moved=nbytes, started_at=started, finished_at=finished, device=device,
                               error=error)
+
+
+@contextlib.contextmanager
+def _as_outcome() -> Iterator[None]:
+    """Data-plane errors of one block as the transfer status they mean."""
+    try:
+        yield
+    except IntegrityError as exc:
+        raise _Abort(TransferStatus.INTEGRITY_ERROR, str(exc)) from None
+    except TierFullError as exc:
+        raise _Abort(TransferStatus.REJECTED_CAPACITY, str(exc)) from None
+    except TierUnavailableError as exc:
+        raise _Abort(TransferStatus.FAILED, str(exc)) from None
 
 
 def _device_of(src: TierBackend, dst: TierBackend) -> str:

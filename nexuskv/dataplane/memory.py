@@ -11,9 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 
-from nexuskv.dataplane.backend import BufferPool, TierBackend
+from nexuskv.dataplane.backend import BufferPool, Reservation, TierBackend
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.cuda import CudaCopier, cuda_available
 from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey
@@ -31,7 +35,9 @@ class _MemoryBackend(TierBackend):
         super().__init__(label=label, capacity_bytes=capacity_bytes, capabilities=capabilities)
         self._entries: dict[PayloadKey, tuple[PayloadHeader, torch.Tensor]] = {}
         self._pending: set[PayloadKey] = set()  # admitted, being stored
-        self._pool = BufferPool(pin=pin, max_bytes=max(capacity_bytes // 4, 1 << 20))
+        self._lent: dict[PayloadKey, int] = {}  # borrowed payloads: their buffers are not recycled
+        # Idle buffers are bounded by the capacity: memory the tier may hold anyway.
+        self._pool = BufferPool(pin=pin, max_bytes=capacity_bytes)
 
     def header(self, key: PayloadKey) -> PayloadHeader | None:
         entry = self._entries.get(key)
@@ -51,7 +57,12 @@ class _MemoryBackend(TierBackend):
         return header
 
     def _copy_out(self, stored: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(stored)
+        if out.device.type == "cpu":
+            # numpy's copy runs on the calling thread without the GIL; torch's would fan out to its
+            # intra-op threads and oversubscribe the cores the executor's copy lanes already use.
+            np.copyto(out.numpy(), stored.numpy())
+        else:
+            out.copy_(stored)
 
     def receive_buffer(self, nbytes: int) -> torch.Tensor:
         return self._pool.take(nbytes)
@@ -60,7 +71,8 @@ class _MemoryBackend(TierBackend):
         if buf.device.type == "cpu":
             self._pool.give(buf)
 
-    def commit(self, header: PayloadHeader, buf: torch.Tensor) -> PayloadHandle:
+    def commit(self, header: PayloadHeader, buf: torch.Tensor,
+               reservation: Reservation | None = None) -> PayloadHandle:
         if buf.numel() != header.nbytes:
             self.release(buf)
             raise ValueError(f"{self.label}: buffer of {buf.numel()} bytes for a {header.nbytes}-byte payload")
@@ -68,7 +80,7 @@ class _MemoryBackend(TierBackend):
             held = header.key in self._entries or header.key in self._pending
             if not held:
                 try:
-                    self._admit(header.key, header.nbytes)
+                    self._admit(header.key, header.nbytes, reservation)
                 except BaseException:
                     self.release(buf)
                     raise
@@ -98,8 +110,31 @@ class _MemoryBackend(TierBackend):
             if entry is None:
                 return False
             self._used -= entry[0].nbytes
-        self.release(entry[1])
+            lent = key in self._lent
+        if not lent:  # a lent buffer is left to the garbage collector, never reused under a reader
+            self.release(entry[1])
         return True
+
+    @contextlib.contextmanager
+    def borrow(self, key: PayloadKey) -> Iterator[tuple[PayloadHeader, torch.Tensor] | None]:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[1].device.type != "cpu":
+                entry = None
+            else:
+                self._lent[key] = self._lent.get(key, 0) + 1
+        if entry is None:
+            yield None
+            return
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                left = self._lent[key] - 1
+                if left:
+                    self._lent[key] = left
+                else:
+                    del self._lent[key]
 
     def close(self) -> None:
         with self._lock:

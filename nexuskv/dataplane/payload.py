@@ -6,9 +6,11 @@ checksum. The checksum is XXH3-128 over the header's address fields *and* the da
 cannot be relabelled as another descriptor's, another block's or another group's without the
 check failing, and one flipped byte anywhere is caught.
 
-Why XXH3-128 (``benchmarks/bench_checksum.py``): on this machine it hashes 20-35 GB/s, faster than
-the copies it guards (BLAKE2b manages 0.5 GB/s, CRC32 2-3 GB/s), and 128 bits make an accidental
-match negligible. It guards against corruption, not against an adversary who can write to a
+Why XXH3-128 (``benchmarks/bench_checksum.py``): on the 2-core development machine it hashes
+about 10 GB/s from memory and 35 GB/s from cache, as fast as a memory copy (BLAKE2b manages
+0.7 GB/s, CRC32 3.6 GB/s), releases the GIL so two copy lanes hash in parallel, and 128 bits make
+an accidental match negligible. Verifying still costs: copies with verification run at 0.55-0.8
+of a plain copy (``benchmarks/README.md``, ``copy_*``). It guards against corruption, not against an adversary who can write to a
 tier: tiers are inside the deployment's trust boundary, and canonical keys (BLAKE2b, keyed per
 tenant scope) already keep tenants apart.
 
@@ -22,7 +24,7 @@ files and on the remote tier's wire::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -58,8 +60,14 @@ class PayloadKey:
     descriptor_id: str
     key: int  # the canonical 128-bit block key (nexuskv.identity.BlockKey)
     group: int = 0
+    # Keys are hashed several times per copied payload (indexes, reservations, rollbacks).
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.descriptor_id, self.key, self.group)))
         raw = self.descriptor_id.encode("ascii", "strict") if self.descriptor_id.isascii() else b""
         if not raw or len(raw) > _DESCRIPTOR_FIELD or b"\x00" in raw:
             raise ValueError(f"descriptor_id: 1 to {_DESCRIPTOR_FIELD} ASCII characters, got {self.descriptor_id!r}")

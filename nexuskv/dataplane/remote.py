@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 
 import msgpack
 import torch
 
-from nexuskv.dataplane.backend import BufferPool, TierBackend, host_view
+from nexuskv.dataplane.backend import Reservation, StagedBackend, host_view
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.cuda import cuda_available
 from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader, PayloadKey
@@ -39,8 +40,11 @@ from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
 
 __all__ = ["RemoteBackend"]
 
+_HEADS_PER_CALL = 4096
+_ABSENT = bytes(HEADER_BYTES)  # HEADS answers an all-zero header for a key it does not hold
 
-class RemoteBackend(TierBackend):
+
+class RemoteBackend(StagedBackend):
     """Client of the remote tier server at ``address``; capacity is the server's."""
 
     def __init__(self, address: str, *, label: str = "remote-tcp", timeout_s: float = 30.0) -> None:
@@ -50,11 +54,10 @@ class RemoteBackend(TierBackend):
         self._local = threading.local()
         self._conns: list[socket.socket] = []
         self._conns_lock = threading.Lock()
-        self._pool = BufferPool(pin=cuda_available(), max_bytes=64 << 20)
         caps = Capabilities(tier=Tier.REMOTE, device="cpu", transport="tcp", out_of_process=True, shared=True,
                             note=f"payloads held by the remote tier process at {address}")
         stats = self._stats_of(self._call(Op.STATS))
-        super().__init__(label=label, capacity_bytes=stats["capacity_bytes"], capabilities=caps)
+        super().__init__(label=label, capacity_bytes=stats["capacity_bytes"], capabilities=caps, pin=cuda_available())
 
     # -- connection -------------------------------------------------------------------------
 
@@ -144,31 +147,37 @@ class RemoteBackend(TierBackend):
         return [unpack_key(meta[i:i + KEY_FRAME_BYTES]) for i in range(0, len(meta), KEY_FRAME_BYTES)]
 
     def read_into(self, key: PayloadKey, out: torch.Tensor) -> PayloadHeader | None:
-        target = out if out.device.type == "cpu" else self._pool.take(out.numel())
-        try:
+        with self._host_target(out) as target:
             status, meta = self._call(Op.GET, pack_key(key), into=host_view(target))
             if status is Status.NOT_FOUND:
                 return None
             if status is not Status.OK:
                 raise TierUnavailableError(f"remote tier answered {status.name} to GET {key}")
-            if target is not out:
-                out.copy_(target)
             return PayloadHeader.unpack(meta)
-        finally:
-            if target is not out:
-                self._pool.give(target)
 
-    def receive_buffer(self, nbytes: int) -> torch.Tensor:
-        return self._pool.take(nbytes)
+    verifies_on_commit = True  # the server checks every PUT against its header before storing it
 
-    def release(self, buf: torch.Tensor) -> None:
-        self._pool.give(buf)
+    def headers(self, keys: Sequence[PayloadKey]) -> list[PayloadHeader | None]:
+        out: list[PayloadHeader | None] = []
+        for start in range(0, len(keys), _HEADS_PER_CALL):
+            chunk = keys[start:start + _HEADS_PER_CALL]
+            status, meta = self._call(Op.HEADS, b"".join(pack_key(k) for k in chunk))
+            if status is not Status.OK or len(meta) != len(chunk) * HEADER_BYTES:
+                raise TierUnavailableError(f"remote tier answered {status.name} to HEADS")
+            for i in range(len(chunk)):
+                raw = meta[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
+                out.append(None if raw == _ABSENT else PayloadHeader.unpack(raw))
+        return out
 
-    def commit(self, header: PayloadHeader, buf: torch.Tensor) -> PayloadHandle:
-        try:
-            status, meta = self._call(Op.PUT, header.pack(), data=host_view(buf))
-        finally:
-            self.release(buf)
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Not binding: the server is shared by every worker and admits each PUT on its own, so
+        this only checks the room it has now (a transfer can still be rejected midway, and is
+        then rolled back)."""
+        return Reservation(self, 0) if self.free_bytes() >= nbytes else None
+
+    def commit_view(self, header: PayloadHeader, data: torch.Tensor,
+                    reservation: Reservation | None = None) -> PayloadHandle:
+        status, meta = self._call(Op.PUT, header.pack(), data=host_view(data))
         if status is Status.OK:
             stored = PayloadHeader.unpack(meta) if len(meta) == HEADER_BYTES else header
             return self._handle(stored)
@@ -191,4 +200,4 @@ class RemoteBackend(TierBackend):
         for sock in conns:
             sock.close()
         self._local = threading.local()
-        self._pool.clear()
+        super().close()

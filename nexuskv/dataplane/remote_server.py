@@ -149,6 +149,15 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op is Op.CLEAR:
             store.clear()
             sock.sendall(pack_frame(Status.OK))
+        elif op is Op.HEADS:
+            if len(meta) % KEY_FRAME_BYTES:
+                sock.sendall(pack_frame(Status.BAD_REQUEST, b"HEADS expects packed payload keys"))
+                return
+            answer = bytearray()
+            for i in range(0, len(meta), KEY_FRAME_BYTES):
+                entry = store.get(unpack_key(meta[i:i + KEY_FRAME_BYTES]))
+                answer += entry[0].pack() if entry is not None else bytes(HEADER_BYTES)
+            sock.sendall(pack_frame(Status.OK, bytes(answer)))
         elif len(meta) != KEY_FRAME_BYTES:
             sock.sendall(pack_frame(Status.BAD_REQUEST, b"expected a packed payload key"))
         else:

@@ -7,7 +7,8 @@ Every request and every answer is one frame::
 ``code`` is the operation in a request (:class:`Op`) and the outcome in an answer
 (:class:`Status`). Payload frames carry the packed 128-byte payload header as meta and the
 payload bytes as data; key frames carry a packed :class:`~nexuskv.dataplane.payload.PayloadKey`
-(84 bytes); errors carry their reason as UTF-8 meta. One request is answered before the next is
+(84 bytes; ``HEADS`` carries many and answers one 128-byte header each, all zero for a key not
+held); errors carry their reason as UTF-8 meta. One request is answered before the next is
 read, so a client keeps one connection per thread. Torch-free: the server process does not load
 torch.
 """
@@ -41,6 +42,7 @@ class Op(IntEnum):
     STATS = 6
     KEYS = 7
     CLEAR = 8
+    HEADS = 9  # many packed keys in; their packed headers out, all-zero for a key not held
 
 
 class Status(IntEnum):

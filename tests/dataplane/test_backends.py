@@ -105,14 +105,20 @@ def test_capabilities_say_what_the_tier_is(backend):
 def test_a_full_tier_rejects_and_stores_nothing(kind, tmp_path):
     b = {"host": lambda: HostMemoryBackend(10_000), "device": lambda: DeviceMemoryBackend(10_000),
          "disk": lambda: DiskBackend(tmp_path, 10_000)}[kind]()
+    rejected = _overfill(b, "do not fit")
+    if kind == "disk":
+        assert not b.path(rejected).exists()
+
+
+def _overfill(b, message: str) -> PayloadKey:
+    """Put 6,000 bytes into a 10,000-byte tier, then 6,000 more: rejected, nothing of it stored."""
     h1, d1 = _payload(1, n=6000)
     h2, d2 = _payload(2, n=6000)
     b.put(h1, d1)
-    with pytest.raises(TierFullError, match="do not fit"):
+    with pytest.raises(TierFullError, match=message):
         b.put(h2, d2)
     assert b.keys() == [h1.key] and b.used_bytes() == 6000
-    if kind == "disk":
-        assert not b.path(h2.key).exists()
+    return h2.key
 
 
 def test_a_full_remote_tier_process_rejects_and_stores_nothing(tmp_path):
@@ -123,12 +129,7 @@ def test_a_full_remote_tier_process_rejects_and_stores_nothing(tmp_path):
     try:
         b = _connect(address, proc)
         assert b.capacity_bytes == 10_000
-        h1, d1 = _payload(1, n=6000)
-        h2, d2 = _payload(2, n=6000)
-        b.put(h1, d1)
-        with pytest.raises(TierFullError, match="remote tier full"):
-            b.put(h2, d2)
-        assert b.keys() == [h1.key] and b.used_bytes() == 6000
+        _overfill(b, "remote tier full")
         h3, d3 = _payload(3, n=100)
         b.put(h3, d3)  # the connection is still in step after a rejected PUT
         assert b.get(h3.key)[1].equal(d3)
@@ -201,3 +202,21 @@ def test_a_disk_file_renamed_to_another_payload_is_refused(tmp_path):
     b._index[other] = PayloadHeader(other, h1.nbytes, h1.checksum)  # as if indexed: reading still refuses
     with pytest.raises(IntegrityError, match="names"):
         b.get(other)
+
+
+@pytest.mark.parametrize("kind", ["host", "device", "disk"])
+def test_reservations_set_room_aside_for_their_commits_only(kind, tmp_path):
+    b = {"host": lambda: HostMemoryBackend(10_000), "device": lambda: DeviceMemoryBackend(10_000),
+         "disk": lambda: DiskBackend(tmp_path, 10_000)}[kind]()
+    r = b.reserve(8_000)
+    assert r is not None and b.free_bytes() == 2_000 and b.reserve(3_000) is None
+    h1, d1 = _payload(1, n=5000)
+    h2, d2 = _payload(2, n=5000)
+    with pytest.raises(TierFullError):
+        b.put(h1, d1)  # without the reservation, only 2,000 bytes are free
+    b.put(h1, d1, r)
+    assert r.remaining == 3_000 and b.used_bytes() == 5_000 and b.free_bytes() == 2_000
+    r.release()
+    assert b.free_bytes() == 5_000
+    b.put(h2, d2)
+    assert b.free_bytes() == 0
