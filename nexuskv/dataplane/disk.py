@@ -4,8 +4,11 @@ Layout: ``<root>/<descriptor id>/g<group>/<key as 32 hex digits>.nkv``, each fil
 :class:`~nexuskv.dataplane.payload.PayloadHeader` followed by the payload bytes. A payload is
 written to a temporary name and renamed into place, so a crash never leaves a torn payload
 under a real name; a restarted backend rebuilds its index from the headers on disk (payloads
-survive the process: ``durable``). Reads use ``readinto`` straight into the destination buffer
-(one copy from the page cache); ``fsync=True`` makes commits wait for the device as well.
+survive the process: ``durable``). A read is one ``readv`` of the header and the payload
+straight into the destination buffer (one copy from the page cache), a write one ``writev``;
+``fsync=True`` makes commits wait for the device as well. Plain files rather than memory maps:
+a map would save the copy on reads but fault in every page on first touch, and a payload is read
+whole into the buffer it is kept or sent from anyway.
 """
 
 from __future__ import annotations
