@@ -33,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from benchmarks._result import write_result

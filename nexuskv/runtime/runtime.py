@@ -33,7 +33,6 @@ Computation is fp32 on CPU; pages are kept in the spec's cache dtype. Token ids 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,7 +57,6 @@ from nexuskv.runtime.spec import ModelSpec
 __all__ = ["ReferenceRuntime", "ReuseExtent", "LoadOutcome", "SaveOutcome", "PrefillResult",
            "ATTENTION_GROUP", "CHECKPOINT_GROUP"]
 
-log = logging.getLogger(__name__)
 
 ATTENTION_GROUP = 0  # KV group of attention pages (every variant)
 CHECKPOINT_GROUP = 1  # KV group of recurrent checkpoints (hybrid)
