@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from nexuskv.contract import Contract
+from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.kv_events import KvEventBatch
@@ -19,7 +20,7 @@ from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 
 __all__ = ["Topic", "TOPICS", "KV_EVENTS", "OBSERVATIONS", "PLAN_REQUESTS", "DECISIONS",
-           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "DEAD_LETTER", "topic_named"]
+           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "DEAD_LETTER", "topic_named"]
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -57,13 +58,19 @@ TRANSFERS = Topic(
 TRANSFER_RESULTS = Topic(
     "nexuskv.transfer-results", "request id", TransferResult, "json", "completion, timing, failure",
 )
+COST_MODELS = Topic(
+    "nexuskv.cost-models", "cost-model entry id", CostModelEntry, "json",
+    "fitted cost-model entries (compute and link), each a complete posterior; latest per key wins",
+    {"cleanup.policy": "compact"},
+)
 DEAD_LETTER = Topic(
     "nexuskv.dead-letter", "source topic", DeadLetter, "json", "rejected inputs with the reason",
     {"retention.ms": str(30 * DAY_MS)},
 )
 
 TOPICS: tuple[Topic, ...] = (
-    KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, DEAD_LETTER,
+    KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, COST_MODELS,
+    DEAD_LETTER,
 )
 
 
