@@ -65,6 +65,13 @@ class LinearCost:
 
     mean: Vec3
     cov: Mat3 = _ZERO3
+    # (c00, c11, c22, 2*c01, 2*c02, 2*c12): the quadratic form in six products, for the planner's loop.
+    _quad: tuple[float, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        c = self.cov
+        object.__setattr__(self, "_quad", (c[0][0], c[1][1], c[2][2], c[0][1] + c[1][0], c[0][2] + c[2][0],
+                                           c[1][2] + c[2][1]))
 
     @classmethod
     def independent(cls, mean: Vec3, std: Vec3) -> LinearCost:
@@ -82,11 +89,9 @@ class LinearCost:
         return m[0] * x0 + m[1] * x1 + m[2] * x2
 
     def variance(self, x0: float, x1: float, x2: float) -> float:
-        """Variance of the prediction's mean at ``x`` (parameter uncertainty only)."""
-        c = self.cov
-        return (x0 * (c[0][0] * x0 + c[0][1] * x1 + c[0][2] * x2)
-                + x1 * (c[1][0] * x0 + c[1][1] * x1 + c[1][2] * x2)
-                + x2 * (c[2][0] * x0 + c[2][1] * x1 + c[2][2] * x2))
+        """Variance of the prediction's mean at ``x`` (parameter uncertainty only): ``x' cov x``."""
+        a, b, c, ab, ac, bc = self._quad
+        return x0 * (a * x0 + ab * x1 + ac * x2) + x1 * (b * x1 + bc * x2) + c * x2 * x2
 
     def std(self, i: int) -> float:
         return math.sqrt(max(self.cov[i][i], 0.0))
@@ -237,8 +242,12 @@ class CostModel:
     compute: Mapping[ComputeKey, ComputeCost]
     links: Mapping[LinkKey, LinkCost]
     version: str = field(default="")
+    #: Values derived from this snapshot by pure functions (the planner's resolved links per
+    #: profile). Fresh for every snapshot, so a derived value never outlives what it came from.
+    memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memo", {})
         object.__setattr__(self, "hardware", MappingProxyType(dict(self.hardware)))
         object.__setattr__(self, "compute", MappingProxyType(dict(self.compute)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))

@@ -25,11 +25,12 @@ import json
 import os
 import tomllib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
@@ -94,9 +95,18 @@ class TenantQuota(Contract):
 
 
 class Tenancy(Contract):
+    #: Lookups are keyed per tenant scope (identity.py), so no index can answer across tenants yet:
+    #: turning this on is refused rather than silently ignored.
     cross_tenant_reuse: bool = False
     default_quota: TenantQuota = TenantQuota()
     quotas: dict[Name, TenantQuota] = Field(default_factory=dict)
+
+    @field_validator("cross_tenant_reuse")
+    @classmethod
+    def _no_cross_tenant(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by this build: lookups are keyed per tenant scope")
+        return value
 
 
 class Budgets(Contract):
@@ -139,11 +149,6 @@ class ExecutionPolicy(Contract):
     planner: PlannerSettings = PlannerSettings()
     fallback: Fallback = Fallback()
 
-    _tag: str = PrivateAttr(default="")
-    _backend_for: dict[tuple[Tier, Tier], str] = PrivateAttr(default_factory=dict)
-    _sources: frozenset[Tier] = PrivateAttr(default=frozenset())
-    _targets: frozenset[Tier] = PrivateAttr(default=frozenset())
-
     @model_validator(mode="after")
     def _consistent(self) -> ExecutionPolicy:
         names = [b.name for b in self.backends]
@@ -165,9 +170,17 @@ class ExecutionPolicy(Contract):
             raise _field_error("fallback.demote_to", "demotion goes to a slower tier than gpu")
         return self
 
-    def model_post_init(self, _context: Any) -> None:
+    # Derived lookups, computed once per policy (cached_property: the planner reads them per decision).
+
+    @cached_property
+    def tag(self) -> str:
+        """``version@digest`` of the whole policy; recorded in every decision."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        self._tag = f"{self.version}@{hashlib.blake2b(canonical.encode(), digest_size=4).hexdigest()}"
+        return f"{self.version}@{hashlib.blake2b(canonical.encode(), digest_size=4).hexdigest()}"
+
+    @cached_property
+    def backend_table(self) -> dict[tuple[Tier, Tier], str]:
+        """``(source, destination) -> backend``: the enabled backend with the best priority per link."""
         table: dict[tuple[Tier, Tier], tuple[int, str]] = {}
         for b in self.backends:
             if not b.enabled:
@@ -177,24 +190,25 @@ class ExecutionPolicy(Contract):
                 best = table.get((src, dst))
                 if best is None or b.priority < best[0]:
                     table[(src, dst)] = (b.priority, b.name)
-        self._backend_for = {k: v[1] for k, v in table.items()}
-        self._sources = frozenset(self.tiers.sources)
-        self._targets = frozenset(self.tiers.targets)
+        return {k: v[1] for k, v in table.items()}
 
-    @property
-    def tag(self) -> str:
-        """``version@digest`` of the whole policy; recorded in every decision."""
-        return self._tag
+    @cached_property
+    def source_tiers(self) -> frozenset[Tier]:
+        return frozenset(self.tiers.sources)
+
+    @cached_property
+    def target_tiers(self) -> frozenset[Tier]:
+        return frozenset(self.tiers.targets)
 
     def backend_for(self, source: Tier, destination: Tier) -> str | None:
         """The enabled backend with the best priority for ``source -> destination`` (None: none)."""
-        return self._backend_for.get((source, destination))
+        return self.backend_table.get((source, destination))
 
     def allows_source(self, tier: Tier) -> bool:
-        return tier in self._sources
+        return tier in self.source_tiers
 
     def allows_target(self, tier: Tier) -> bool:
-        return tier in self._targets
+        return tier in self.target_tiers
 
     def quota_for(self, tenant: str) -> TenantQuota:
         return self.tenancy.quotas.get(tenant, self.tenancy.default_quota)
