@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
@@ -122,22 +121,20 @@ class RecursiveFit:
     def cost(self) -> LinearCost:
         return LinearCost(self.mean, self.cov)
 
-    def to_state(self) -> dict[str, Any]:
-        """A JSON-able snapshot (a Faust table value): everything needed to resume."""
-        return {"scale": list(self.scale), "forgetting": self.forgetting, "theta": list(self.theta),
-                "p": [list(r) for r in self.p], "sum_sq": self.sum_sq, "dof": self.dof,
-                "observations": self.observations}
-
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> RecursiveFit:
-        fit = cls.__new__(cls)
-        fit.scale = tuple(float(v) for v in state["scale"])  # type: ignore[assignment]
-        fit.forgetting = float(state["forgetting"])
-        fit.theta = [float(v) for v in state["theta"]]
-        fit.p = [[float(v) for v in row] for row in state["p"]]
-        fit.sum_sq = float(state["sum_sq"])
-        fit.dof = float(state["dof"])
-        fit.observations = int(state["observations"])
+    def from_posterior(cls, mean: Vec3, cov: tuple[Vec3, Vec3, Vec3], residual_rel_std: float, observations: int,
+                       scale: Vec3, *, forgetting: float = 1.0) -> RecursiveFit:
+        """Resume from a published posterior (:class:`CostModelEntry`): ``P = cov / s²`` scaled.
+
+        Exact up to rounding: a published entry is the whole state of the fit, so a restarted
+        calibration worker reads its last entries back instead of keeping a second copy.
+        """
+        fit = cls(LinearCost(mean, cov), scale, forgetting=forgetting)
+        s2 = max(residual_rel_std, 1e-6) ** 2
+        fit.p = [[cov[i][j] * scale[i] * scale[j] / s2 for j in range(3)] for i in range(3)]
+        fit.observations = observations
+        fit.dof = float(observations) if forgetting == 1.0 else (1 - forgetting ** observations) / (1 - forgetting)
+        fit.sum_sq = s2 * max(fit.dof - 3.0, 0.0)
         return fit
 
 
@@ -201,10 +198,18 @@ class Calibrator:
             return key
         return None  # load observations describe workers, not costs
 
-    def restore(self, key: FitKey, state: dict[str, Any], version: int) -> None:
-        """Resume a fit from a snapshot (:meth:`RecursiveFit.to_state`) and its last version."""
-        self.fits[key] = RecursiveFit.from_state(state)
-        self.versions[key] = version
+    def resume(self, entry: CostModelEntry) -> FitKey:
+        """Resume a fit from its last published entry (versions continue from it)."""
+        fit = entry.entry
+        if isinstance(fit, ComputeFit):
+            key, scale = FitKey("compute", fit.profile, model=fit.model), COMPUTE_SCALE
+        else:
+            key = FitKey("link", fit.profile, source=fit.source_tier, destination=fit.destination_tier)
+            scale = LINK_SCALE
+        self.fits[key] = RecursiveFit.from_posterior(entry.mean, entry.cov, entry.residual_rel_std,
+                                                     entry.observations, scale, forgetting=self.forgetting)
+        self.versions[key] = entry.version
+        return key
 
     def entry(self, key: FitKey, *, now: float, publisher: str) -> CostModelEntry:
         """The fit as a publishable, versioned record (each call is a new version)."""

@@ -97,6 +97,30 @@ class Settings(BaseModel):
         "NEXUSKV_BROKER_START_TIMEOUT", "Seconds to wait for a broker to accept connections.", 30.0, gt=0, le=600
     )
     log_level: str = _env("NEXUSKV_LOG_LEVEL", "Python logging level of NexusKV services.", "INFO")
+    policy_file: Path | None = _env(
+        "NEXUSKV_POLICY_FILE",
+        "Execution policy (`nexuskv.execution_policy.v1`, TOML or JSON; example: `infra/policy/default.toml`). "
+        "Unset: the built-in defaults. Invalid at start: the service stops naming every bad field; invalid on "
+        "reload: the last valid policy stays in force.",
+        None,
+    )
+    policy_reload_s: float = _env(
+        "NEXUSKV_POLICY_RELOAD", "Seconds between checks of the policy file for changes.", 1.0, gt=0, le=3600
+    )
+    calibration_publish_s: float = _env(
+        "NEXUSKV_CALIBRATION_PUBLISH",
+        "Seconds between publications of a fitted cost-model entry that has new observations.", 1.0, gt=0, le=3600
+    )
+    calibration_min_observations: int = _env(
+        "NEXUSKV_CALIBRATION_MIN_OBSERVATIONS",
+        "Observations a fitted entry needs before it is published (until then planners keep the shipped profile).",
+        20, ge=1, le=1_000_000,
+    )
+    calibration_forgetting: float = _env(
+        "NEXUSKV_CALIBRATION_FORGETTING",
+        "Forgetting factor of the online fit (1: none; 0.999 weighs about the last 1,000 observations).",
+        0.999, ge=0.9, le=1.0,
+    )
 
     @field_validator("broker")
     @classmethod
@@ -108,6 +132,11 @@ class Settings(BaseModel):
         except ConfigError as exc:
             raise ValueError(exc.message) from None
         return value.strip()
+
+    @field_validator("policy_file", mode="before")
+    @classmethod
+    def _policy_file(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("log_level")
     @classmethod

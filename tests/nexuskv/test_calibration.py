@@ -178,20 +178,23 @@ def test_an_unidentifiable_direction_stays_at_the_prior():
     assert fit.cov[1][1] > 0 and fit.cov[2][2] > 0
 
 
-def test_state_snapshots_resume_the_same_fit():
+def test_a_published_entry_is_the_whole_state_of_its_fit():
     rng = random.Random(1)
-    cal = Calibrator(SHIPPED, default_profile=PROFILE)
-    for _ in range(200):
+    cal = Calibrator(SHIPPED, default_profile=PROFILE, forgetting=0.999)
+    for _ in range(300):
         cal.observe(_prefill(rng))
     key = FitKey("compute", PROFILE, model=MODEL_NAME)
-    first = cal.entry(key, now=NOW, publisher="a")
-    resumed = Calibrator(SHIPPED, default_profile=PROFILE)
-    resumed.restore(key, cal.fits[key].to_state(), version=first.version)
-    nxt = _prefill(rng)
-    cal.observe(nxt)
-    resumed.observe(nxt)
-    assert resumed.fits[key].mean == cal.fits[key].mean
-    assert resumed.entry(key, now=NOW, publisher="b").version == first.version + 1
+    published = cal.entry(key, now=NOW, publisher="a")
+    resumed = Calibrator(SHIPPED, default_profile=PROFILE, forgetting=0.999)
+    assert resumed.resume(decode(COST_MODELS, encode(COST_MODELS, published))) == key
+    for _ in range(50):
+        nxt = _prefill(rng)
+        cal.observe(nxt)
+        resumed.observe(nxt)
+    for a, b in zip(resumed.fits[key].mean, cal.fits[key].mean):
+        assert a == pytest.approx(b, rel=1e-9)
+    assert resumed.fits[key].residual_rel_std == pytest.approx(cal.fits[key].residual_rel_std, rel=1e-9)
+    assert resumed.entry(key, now=NOW, publisher="b").version == published.version + 1
 
 
 def test_entries_are_versioned_contracts_that_the_planner_folds_in():
