@@ -96,13 +96,17 @@ class Headroom:
     tenant_bytes: int | None = None
     tenant_pinned_bytes: int | None = None
 
-    def refusal(self, nbytes: int, transfer_s: float) -> str | None:
-        """Why a transfer of ``nbytes`` taking ``transfer_s`` would break a budget (None: it fits)."""
+    def refusal(self, nbytes: int, window_s: float) -> str | None:
+        """Why moving ``nbytes`` within ``window_s`` (until its deadline) would break a budget (None: fits).
+
+        A transfer claims the bandwidth it needs to meet its deadline, ``nbytes / window_s``, not
+        its link's peak: a prefetch due in two seconds leaves room for others.
+        """
         if self.transfers < 1:
             return "backpressure: no transfer slot left (transfers in flight at the budget)"
         if self.tenant_transfers is not None and self.tenant_transfers < 1:
             return "backpressure: the tenant's transfers-in-flight quota is used up"
-        rate = nbytes / transfer_s if transfer_s > 0 else math.inf
+        rate = nbytes / window_s if window_s > 0 else math.inf
         if rate > self.bytes_per_s:
             return f"backpressure: needs {rate / 1e9:.2f} GB/s, {self.bytes_per_s / 1e9:.2f} GB/s of the budget left"
         if nbytes > self.pinned_bytes:
@@ -626,7 +630,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
                 why = (f"index lag {lookup.lag_ms:.0f} ms > {policy.budgets.max_index_lag_ms:.0f} ms: "
                        "no movement is planned on facts that old")
             elif headroom is not None:
-                why = headroom.refusal(nbytes, transfer)
+                why = headroom.refusal(nbytes, max(deadline - now, transfer))
             else:
                 why = None
             options.append(Option(

@@ -113,7 +113,9 @@ class Budgets(Contract):
     """Global limits that apply backpressure to transfers and prefetches."""
 
     max_transfers_in_flight: Annotated[int, Field(ge=0, le=1_000_000)] = 64
-    max_transfer_bytes_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 50e9
+    #: Bandwidth that transfers in flight may claim together, bytes/s; each claims its bytes over
+    #: the time to its deadline. The default is eight workers' PCIe5 host links.
+    max_transfer_bytes_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 400e9
     max_pinned_bytes: Bytes = 64 * GIB
     max_index_lag_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 500.0
 

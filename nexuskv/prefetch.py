@@ -14,7 +14,8 @@ the copy is cancelled or, if it lands anyway, demoted. One request's transfers (
 fall back together.
 
 Budgets (the execution policy's ``budgets`` and per-tenant quotas) cover what is in flight:
-transfers, planned bandwidth (bytes over predicted seconds), and bytes pinned for movement
+transfers, planned bandwidth (each transfer claims its bytes over the time to its deadline, the
+rate it needs rather than its link's peak), and bytes pinned for movement
 (source pins and destination reservations). :meth:`PrefetchScheduler.headroom` is the snapshot
 the planner checks, so a full budget makes the planner refuse movement (backpressure) instead of
 queueing it. A ticket frees its budget when it completes, fails, or is cancelled.
@@ -53,7 +54,7 @@ _OPEN = (TicketState.IN_FLIGHT,)
 @dataclass(frozen=True, slots=True)
 class Ticket:
     command: TransferCommand
-    rate_bytes_per_s: float  # planned bandwidth: bytes over the predicted transfer time
+    rate_bytes_per_s: float  # bandwidth it needs: bytes over the time to its deadline (or its predicted time)
     state: TicketState = TicketState.IN_FLIGHT
     holds_budget: bool = True
     changed_at: float = 0.0
@@ -148,12 +149,13 @@ class PrefetchScheduler:
         """Take the plan's transfers in flight, holding their budget."""
         if not plan.transfers:
             return ()
-        transfer_s = max(plan.chosen.transfer_s, 1e-9)  # the whole extent, every group's copy together
+        # As the planner's Headroom.refusal: the rate needed to land by the deadline.
+        window = max(plan.chosen.transfer_s, (plan.chosen.deadline_at or now) - now, 1e-9)
         tickets = []
         for cmd in plan.transfers:
             if cmd.transfer_id in self._tickets:
                 raise ValueError(f"transfer {cmd.transfer_id} is already tracked")
-            ticket = Ticket(cmd, rate_bytes_per_s=cmd.bytes / transfer_s, changed_at=now)
+            ticket = Ticket(cmd, rate_bytes_per_s=cmd.bytes / window, changed_at=now)
             self._tickets[cmd.transfer_id] = ticket
             self._hold(ticket, +1)
             tickets.append(ticket)
