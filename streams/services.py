@@ -30,7 +30,12 @@ class Service:
 
 
 #: Registered stream workers, in start order. Later components add themselves here.
-SERVICES: tuple[Service, ...] = ()
+SERVICES: tuple[Service, ...] = (
+    Service("calibration", "streams.calibration_agent",
+            "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
+    Service("planner", "streams.planner_service",
+            "plan requests -> decisions, placement hints and transfer commands, by Effective Gain"),
+)
 
 
 @contextlib.contextmanager
