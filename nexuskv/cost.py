@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
 from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
 
@@ -206,9 +207,12 @@ class HardwareProfile:
         return steps * decode_blocks * block_bytes / self.hbm_bytes_per_s
 
 
-@dataclass(frozen=True, slots=True)
-class CacheTerms:
-    """The terms of ``T_cache`` for one candidate, seconds (whitepaper §2.5)."""
+class CacheTerms(NamedTuple):
+    """The terms of ``T_cache`` for one candidate, seconds (whitepaper §2.5).
+
+    A named tuple, immutable like the other values here, because the planner builds one per
+    option it weighs and a frozen dataclass costs three times as much to build.
+    """
 
     lookup_s: float = 0.0
     queue_s: float = 0.0

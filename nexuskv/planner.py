@@ -59,8 +59,6 @@ from nexuskv.cost import (
     HardwareProfile,
     LinkCost,
     compose_links,
-    extent_bytes,
-    extent_pages,
     normal_cdf,
     prefetch_expected_gain,
 )
@@ -75,7 +73,8 @@ __all__ = ["Headroom", "PlanQuery", "Plan", "Option", "plan", "explain", "fallba
 GIB = float(1 << 30)
 # Module constants: an enum member read through its class costs a descriptor call per use.
 _GPU, _HOST, _DISK, _REMOTE, _OBJECT = Tier.GPU, Tier.HOST, Tier.DISK, Tier.REMOTE, Tier.OBJECT
-_RECOMPUTE, _ROUTE_TO_STATE, _TRANSFER, _PREFETCH = Action.RECOMPUTE, Action.ROUTE_TO_STATE, Action.TRANSFER, Action.PREFETCH
+_RECOMPUTE, _ROUTE_TO_STATE = Action.RECOMPUTE, Action.ROUTE_TO_STATE
+_TRANSFER, _PREFETCH = Action.TRANSFER, Action.PREFETCH
 _FULL_REUSE, _PARTIAL_REUSE = Action.FULL_REUSE, Action.PARTIAL_REUSE
 _ACTION_ORDER = {a: i for i, a in enumerate(
     (Action.FULL_REUSE, Action.PARTIAL_REUSE, Action.ROUTE_TO_STATE, Action.PREFETCH, Action.TRANSFER,
@@ -238,13 +237,7 @@ class Option(NamedTuple):
     moved: tuple[int, ...] = ()  # (start, end) when ``contiguous``, else the moved block indices
     contiguous: bool = True
     nbytes: int = 0
-    lookup_s: float = 0.0
-    queue_s: float = 0.0
-    transfer_s: float = 0.0
-    overlap_s: float = 0.0
-    restore_s: float = 0.0
-    sync_s: float = 0.0
-    interference_s: float = 0.0
+    terms: CacheTerms = CacheTerms()
     tail_s: float | None = None
     ttft_s: float | None = None
     eg_s: float | None = None
@@ -253,12 +246,6 @@ class Option(NamedTuple):
     p_use: float | None = None
     deadline_at: float | None = None
     rejected: str | None = None
-
-    @property
-    def terms(self) -> CacheTerms:
-        return CacheTerms(lookup_s=self.lookup_s, queue_s=self.queue_s, transfer_s=self.transfer_s,
-                          overlap_s=self.overlap_s, restore_s=self.restore_s, sync_s=self.sync_s,
-                          interference_s=self.interference_s)
 
     @property
     def passes_gate(self) -> bool:
@@ -534,7 +521,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
         local_prefix = local.prefix if local else 0
 
         eg_r = t_base - w.recompute_s
-        options.append(Option(_RECOMPUTE, wid, queue_s=w.queue_s, tail_s=w.recompute_s - w.queue_s,
+        options.append(Option(_RECOMPUTE, wid, terms=CacheTerms(queue_s=w.queue_s), tail_s=w.recompute_s - w.queue_s,
                               ttft_s=w.recompute_s, eg_s=eg_r, eg_lower_s=eg_r))
 
         if local is not None:  # reuse the local GPU prefix in place
@@ -560,8 +547,9 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             else:
                 action = _FULL_REUSE if local_prefix == num_blocks else _PARTIAL_REUSE
                 why = None
-            options.append(Option(action, wid, local, None, local_prefix, (), True, 0, hw.lookup_s, w.queue_s, 0.0,
-                                  0.0, restore, 0.0, 0.0, tail, ttft, eg, std, eg - z * std, None, None, why))
+            options.append(Option(action, wid, local, None, local_prefix, (), True, 0,
+                                  CacheTerms(hw.lookup_s, w.queue_s, 0.0, 0.0, restore, 0.0, 0.0),
+                                  tail, ttft, eg, std, eg - z * std, None, None, why))
 
         # Move a longer prefix from elsewhere: per link, only the longest source is worth costing.
         best_by_link: dict[tuple[Tier, bool], tuple[_Source, LinkCost | None]] = {}
@@ -634,8 +622,9 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             else:
                 why = None
             options.append(Option(
-                action, wid, src, backend, src.prefix, moved, contiguous, nbytes, hw.lookup_s, w.queue_s, transfer,
-                overlap, restore, hw.sync_s, interference, tail, ttft, eg, std, lower, p_use, deadline, why))
+                action, wid, src, backend, src.prefix, moved, contiguous, nbytes,
+                CacheTerms(hw.lookup_s, w.queue_s, transfer, overlap, restore, hw.sync_s, interference),
+                tail, ttft, eg, std, lower, p_use, deadline, why))
 
     options.extend(rejected)
     winner = None
@@ -654,7 +643,8 @@ def _gate_reason(opt: Option, chosen: Option, min_gain: float) -> str:
     if opt.rejected is not None:
         return opt.rejected
     if opt.action is Action.RECOMPUTE:
-        return f"recompute on {opt.worker}: {opt.ttft_s:.4f}s to first token vs {chosen.action.value} on {chosen.worker}"
+        return (f"recompute on {opt.worker}: {opt.ttft_s:.4f}s to first token vs {chosen.action.value} on "
+                f"{chosen.worker}")
     if opt.eg_s is None or opt.eg_s <= 0:
         return f"EG {opt.eg_s:.4f}s <= 0"
     if opt.eg_lower_s is None or opt.eg_lower_s <= min_gain:

@@ -27,7 +27,7 @@ import tomllib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import pydantic
 from pydantic import Field, field_validator, model_validator

@@ -150,7 +150,7 @@ class PrefetchScheduler:
         if not plan.transfers:
             return ()
         # As the planner's Headroom.refusal: the rate needed to land by the deadline.
-        window = max(plan.chosen.transfer_s, (plan.chosen.deadline_at or now) - now, 1e-9)
+        window = max(plan.chosen.terms.transfer_s, (plan.chosen.deadline_at or now) - now, 1e-9)
         tickets = []
         for cmd in plan.transfers:
             if cmd.transfer_id in self._tickets:

@@ -124,7 +124,8 @@ _MFU = {1: 0.5, 8: 0.4}  # anchors §3: assumed MFU 0.5 for 1 GPU and 0.4 for TP
 def _link(profile: str, source: Tier, destination: Tier, *, latency: float, per_page: float, bandwidth: float,
           rel_bandwidth: float, interference: float, label: str) -> LinkCost:
     spb = 0.0 if math.isinf(bandwidth) else 1.0 / bandwidth
-    params = LinearCost.independent((latency, per_page, spb), (ASSUMED * latency, ASSUMED * per_page, rel_bandwidth * spb))
+    params = LinearCost.independent((latency, per_page, spb),
+                                    (ASSUMED * latency, ASSUMED * per_page, rel_bandwidth * spb))
     return LinkCost(profile=profile, source=source, destination=destination, params=params, label=label,
                     interference=interference)
 
@@ -151,7 +152,8 @@ def _links_for(profile: str) -> list[LinkCost]:
     elif profile == "h200x8-rdma8x400":
         remote, rel, label = 190e9, MEASURED, "Mooncake TE 8x400 Gbps RDMA, 190 GB/s (measured, 40 GB transfers)"
     else:
-        remote, rel, label = 87e9 / 4.6, ESTIMATE, "Mooncake TE TCP over 4x200 Gbps: 87 GB/s / 4.6 (TCP 2.4-4.6x slower)"
+        remote, rel = 87e9 / 4.6, ESTIMATE
+        label = "Mooncake TE TCP over 4x200 Gbps: 87 GB/s / 4.6 (TCP 2.4-4.6x slower)"
     links.append(_link(profile, Tier.REMOTE, Tier.GPU, latency=1e-3, per_page=5e-6, bandwidth=remote,
                        rel_bandwidth=rel, interference=copy_interference,
                        label=label + "; latency (RPC, registration) and per-page cost assumed"))

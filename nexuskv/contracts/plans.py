@@ -64,7 +64,8 @@ class PlanRequest(Contract):
             if self.descriptor.descriptor_id != self.scope.descriptor_id:
                 raise ValueError("descriptor: its descriptor_id differs from scope.descriptor_id")
             if self.descriptor.block_size != self.block_size:
-                raise ValueError(f"block_size: {self.block_size} differs from the descriptor's {self.descriptor.block_size}")
+                raise ValueError(f"block_size: {self.block_size} differs from the descriptor's "
+                                 f"{self.descriptor.block_size}")
         workers = [c.worker for c in self.candidates]
         if len(set(workers)) != len(workers):
             raise ValueError("candidates: each worker may appear once")

@@ -9,7 +9,6 @@ import pytest
 from nexuskv.cost import (
     CacheTerms,
     ComputeCost,
-    CostModel,
     LinearCost,
     LinkCost,
     compose_links,

@@ -156,8 +156,8 @@ async def test_plan_requests_through_the_embedded_broker_match_the_pure_planner(
                 await producer.send_and_wait(PLAN_REQUESTS.name, encode(PLAN_REQUESTS, req),
                                              key=req.request_id.encode())
             await producer.send_and_wait(PLAN_REQUESTS.name, b"\x00 not a plan request", key=b"r-garbage")
-            unknown = requests[3].model_copy(update={"request_id": "r-unknown",
-                                                     "scope": SCOPE.model_copy(update={"descriptor_id": "sd1-" + "f" * 32})})
+            stranger = SCOPE.model_copy(update={"descriptor_id": "sd1-" + "f" * 32})
+            unknown = requests[3].model_copy(update={"request_id": "r-unknown", "scope": stranger})
             await producer.send_and_wait(PLAN_REQUESTS.name, encode(PLAN_REQUESTS, unknown), key=b"r-unknown")
             await producer.send_and_wait(PLAN_REQUESTS.name, encode(PLAN_REQUESTS, requests[0]), key=b"r-full")
 
