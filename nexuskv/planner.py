@@ -431,16 +431,6 @@ def _resolve_links(model: CostModel, profile: str, default_profile: str) -> _Lin
     return _Links(get((profile, _GPU, _GPU)), by_tier, network, far_disk)
 
 
-def _link_for(links: _Links, src: _Source, dest_worker: str) -> tuple[LinkCost | None, Tier, bool]:
-    """The cost of moving ``src`` into ``dest_worker``'s GPU, the policy link's source tier, and
-    whether it crosses the network from another worker's memory or disk."""
-    if src.worker == dest_worker or src.tier is _REMOTE or src.tier is _OBJECT:
-        return links.by_tier.get(src.tier), src.tier, False
-    if src.tier is _DISK:
-        return links.far_disk, _REMOTE, True
-    return links.network, _REMOTE, True
-
-
 def _moved_blocks(start: int, end: int, local_extents: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], bool]:
     """Blocks of ``[start, end)`` the destination lacks: ``(start, end)`` if contiguous, else indices."""
     holes = [(max(s, start), min(e, end)) for s, e in local_extents if s < end and e > start]
@@ -503,6 +493,21 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     layers = shape.layers
     prices = pollution_s_per_gib or {}
     links_by_profile: dict[str, _Links] = {}
+    # Sources by how they reach a destination: a worker's own host and disk, and, ranked longest
+    # first, every source another worker can copy from (memory and disk over the network, stores).
+    own: dict[str, list[_Source]] = {}
+    far: dict[tuple[Tier, bool], list[_Source]] = {}
+    for src in sources:
+        if src.tier is _HOST or src.tier is _DISK:
+            own.setdefault(src.worker, []).append(src)
+        if src.tier is _GPU or src.tier is _HOST:
+            far.setdefault((_REMOTE, False), []).append(src)
+        elif src.tier is _DISK:
+            far.setdefault((_REMOTE, True), []).append(src)
+        else:
+            far.setdefault((src.tier, False), []).append(src)
+    for ranked in far.values():
+        ranked.sort(key=lambda s_: (-s_.prefix, s_.worker, s_.tier))
 
     for w in workers:
         wid = w.load.worker
@@ -552,16 +557,20 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
                                   tail, ttft, eg, std, eg - z * std, None, None, why))
 
         # Move a longer prefix from elsewhere: per link, only the longest source is worth costing.
-        best_by_link: dict[tuple[Tier, bool], tuple[_Source, LinkCost | None]] = {}
-        for src in sources:
-            if src.prefix <= local_prefix or (src.worker == wid and src.tier is _GPU):
-                continue
-            link, link_tier, crosses = _link_for(links, src, wid)
-            key = (link_tier, crosses and src.tier is _DISK)
-            held = best_by_link.get(key)
-            if held is None or src.prefix > held[0].prefix:
-                best_by_link[key] = (src, link)
-        for (link_tier, _far), (src, link) in best_by_link.items():
+        best_by_link: list[tuple[Tier, _Source, LinkCost | None]] = []
+        for src in own.get(wid, ()):
+            if src.prefix > local_prefix:
+                best_by_link.append((src.tier, src, links.by_tier.get(src.tier)))
+        for (link_tier, far_disk), ranked in far.items():
+            for src in ranked:
+                if src.worker == wid and src.tier is not _REMOTE and src.tier is not _OBJECT:
+                    continue  # its own memory and disk are the same-worker links above
+                if src.prefix > local_prefix:
+                    link = (links.far_disk if far_disk else links.network if src.tier is _GPU or src.tier is _HOST
+                            else links.by_tier.get(src.tier))
+                    best_by_link.append((link_tier, src, link))
+                break
+        for link_tier, src, link in best_by_link:
             backend = backends.get((link_tier, _GPU))
             if link is None or backend is None:
                 why = (f"no cost profile for link {link_tier.value}->gpu on {w.profile}" if link is None
