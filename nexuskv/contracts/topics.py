@@ -2,6 +2,27 @@
 
 High-volume lifecycle events are msgpack; everything else is JSON so an operator can read it
 with any Kafka console consumer. Each payload carries ``schema_version``.
+
+=========================== ============================ ==========================================
+topic                       key                          carries
+=========================== ============================ ==========================================
+nexuskv.kv-events           publisher id                 lifecycle event batches (seq, incarnation)
+nexuskv.observations        model and link or tier       measured prefill and transfer timings, load
+nexuskv.plan-requests       request id                   describe-and-match requests at admission
+nexuskv.decisions           request id                   decision records (revision 0, then fallbacks)
+nexuskv.placement           tenant namespace/prefix root routing, pin, prefetch, demote, evict, cancel
+nexuskv.transfers           destination worker           transfer commands with deadline and backend
+nexuskv.transfer-results    request id                   completion, timing, failure
+nexuskv.cost-models         cost-model entry id          fitted entries, each a complete posterior;
+                                                         compacted: the latest per key is the model
+nexuskv.dead-letter         source topic                 rejected inputs with the reason
+=========================== ============================ ==========================================
+
+Producers and consumers: engines and bridges produce kv-events and observations; the index
+consumes kv-events; the calibration agent consumes observations and produces cost-models; the
+planner service consumes plan-requests, transfer-results and cost-models and produces decisions,
+placement and transfers; executors consume transfers (and cancel hints) and produce
+transfer-results and transfer observations; the analytics sink consumes decisions and outcomes.
 """
 
 from __future__ import annotations
