@@ -69,7 +69,6 @@ async def _start(url, name: str, tmp_path, partitions: int, resume=()):
 
 
 @pytest.mark.broker
-@pytest.mark.slow
 async def test_agent_fits_publishes_dead_letters_and_resumes(kafka_url, tmp_path):
     await ensure_topics(kafka_url, partitions=2)
     partitions = (await list_topics(kafka_url))[OBSERVATIONS.name]
