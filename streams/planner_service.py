@@ -25,9 +25,10 @@ per hop, ``streams/tuning.py``); a plain consumer with a 10 ms wait and a produc
 (``tuning.LOW_LATENCY_*``) keep the bus to a few milliseconds per hop. Faust's tables would add
 nothing here: the planner keeps no state of its own beyond transfers in flight.
 
-The index: :func:`main` wires :class:`NullIndexView` (every lookup is a miss, so every decision
-is a recompute) until the global index's in-process replica is merged; replacing it is the one
-line marked in :func:`main`. Tests inject an IndexView built from real identity keys.
+The index: :func:`main` wires an in-process :class:`~streams.replica.IndexReplica` (every
+kv-events partition, bootstrapped from the index workers' checkpoints), so a lookup never crosses
+the bus; its lag lands in each decision. Tests inject any IndexView (:class:`NullIndexView` makes
+every lookup a miss).
 
 Run: ``python -m streams.planner_service`` (``nexuskv up`` starts it).
 """
@@ -344,9 +345,14 @@ class PlannerService:
 
 
 async def _run(settings: Settings, url: BrokerUrl) -> None:  # pragma: no cover - exercised by `nexuskv up`
-    index: IndexView = NullIndexView()  # lead: replace with the global index's in-process IndexReplica
-    log.warning("%s: no index wired: every lookup is a miss, every decision a recompute", SERVICE)
-    service = PlannerService(url, index, policy_file=settings.policy_file,
+    from streams.replica import IndexReplica
+
+    # The planner's index: an in-process replica of every kv-events partition, bootstrapped from the
+    # index workers' checkpoints, so lookups never cross the bus.
+    replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
+                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index", client_id="nexuskv-planner-index")
+    await replica.start(timeout_s=settings.broker_start_timeout_s)
+    service = PlannerService(url, replica, policy_file=settings.policy_file,
                              identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)
     await service.start(timeout_s=settings.broker_start_timeout_s)
     stop = asyncio.Event()
@@ -359,6 +365,7 @@ async def _run(settings: Settings, url: BrokerUrl) -> None:  # pragma: no cover 
         await stop.wait()
     finally:
         await service.stop()
+        await replica.stop()
 
 
 def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
