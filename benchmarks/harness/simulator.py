@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,12 +38,13 @@ from nexuskv.contracts.plans import WorkerLoad
 from benchmarks.harness.cluster import ClusterSpec
 from benchmarks.harness.keys import KeyBook
 from benchmarks.harness.oracle import best_path
+from benchmarks.harness.paths import Choice, Outcome
 from benchmarks.harness.policies import Policy
 from benchmarks.harness.state import Admission, ClusterState
 from benchmarks.harness.truth import Drift, TrueCosts
-from benchmarks.harness.workloads import Workload, prompt_tokens
+from benchmarks.harness.workloads import Request, Workload, prompt_tokens
 
-__all__ = ["Row", "ROW_FIELDS", "RunOutput", "simulate", "balance"]
+__all__ = ["Row", "ROW_FIELDS", "RunOutput", "simulate", "admit", "balance"]
 
 
 class Row(NamedTuple):
@@ -107,9 +109,34 @@ def balance(loads: tuple[WorkerLoad, ...]) -> str:
     return min(loads, key=lambda ld: (ld.queued_prefill_tokens, ld.decode_blocks, ld.worker)).worker
 
 
+def admit(state: ClusterState, request: Request, position: int, book: KeyBook) -> Admission:
+    """The admission of ``request`` at its arrival (time must have been advanced to it)."""
+    now = request.arrival_s
+    scope = state.scope(request.tenant, request.lora)
+    keys = book.keys(request, scope)
+    held = keys if state.identity == "full" else book.keys(request, state.true_scope(request.tenant, request.lora))
+    loads = state.loads(now)
+    decode = {ld.worker: ld.decode_blocks for ld in loads}
+    noise = state.truth.noise(position)
+    prefixes, safe = state.prefixes(keys, held)
+    n = request.prompt_tokens
+    recompute = state.recompute(now, n, noise, decode)
+    base = balance(loads)
+    adm = Admission(
+        position=position, now=now, request_id=request.request_id, workload=request.workload, tenant=request.tenant,
+        lora=request.lora, prompt_tokens=n, output_tokens=request.output_tokens, keys=keys, held=held,
+        tokens=lambda: prompt_tokens(request), scope=scope, descriptor=state.request_descriptor(request.tenant),
+        noise=noise, loads=loads, decode_blocks=decode, prefixes=prefixes, safe_prefixes=safe,
+        recompute_s=recompute, baseline_worker=base, t_base_s=recompute[base])
+    adm._state = state
+    adm.oracle = best_path(state, adm)
+    return adm
+
+
 def simulate(policy: Policy, workload: Workload, spec: ClusterSpec, drift: Drift, *, seed: int, trial: int,
-             book: KeyBook) -> RunOutput:
-    """Run ``policy`` over ``workload``; rows in arrival order."""
+             book: KeyBook, on_finish: Callable[[ClusterState], None] | None = None) -> RunOutput:
+    """Run ``policy`` over ``workload``; rows in arrival order. ``on_finish`` sees the final state
+    (every completion applied, every kv-events batch delivered to the index)."""
     started = time.perf_counter()
     truth = TrueCosts(spec.profile, spec.model, drift, seed)
     state = ClusterState(spec, truth, tiers=policy.tiers, identity=policy.identity,
@@ -119,54 +146,42 @@ def simulate(policy: Policy, workload: Workload, spec: ClusterSpec, drift: Drift
     rows: list[Row] = []
     clock = time.perf_counter_ns
     for position, r in enumerate(workload.requests):
-        now = r.arrival_s
-        state.advance(now)
-        policy.admitted(now)
-        scope = state.scope(r.tenant, r.lora)
-        keys = book.keys(r, scope)
-        held = keys if state.identity == "full" else book.keys(r, state.true_scope(r.tenant, r.lora))
-        loads = state.loads(now)
-        decode = {ld.worker: ld.decode_blocks for ld in loads}
-        noise = truth.noise(position)
-        prefixes, safe = state.prefixes(keys, held)
-        n = r.prompt_tokens
-        recompute = state.recompute(now, n, noise, decode)
-        base = balance(loads)
-        adm = Admission(
-            position=position, now=now, request_id=r.request_id, workload=r.workload, tenant=r.tenant, lora=r.lora,
-            prompt_tokens=n, output_tokens=r.output_tokens, keys=keys, held=held,
-            tokens=lambda r=r: prompt_tokens(r), scope=scope,
-            descriptor=state.request_descriptor(r.tenant), noise=noise, loads=loads, decode_blocks=decode,
-            prefixes=prefixes, safe_prefixes=safe, recompute_s=recompute, baseline_worker=base,
-            t_base_s=recompute[base])
-        adm._state = state
-        adm.oracle = best_path(state, adm)
+        state.advance(r.arrival_s)
+        policy.admitted(r.arrival_s)
+        adm = admit(state, r, position, book)
+        assert adm.oracle is not None
         t0 = clock()
         choice = policy.decide(adm)
         plan_s = (clock() - t0) * 1e-9 if policy.timed else 0.0
         outcome = state.evaluate(adm, choice, policy.mode, commit=True)
         policy.decided(adm, choice, outcome)
-        best = adm.lookup().best_certain_prefix()
-        logical = min(n, best.prefix_blocks * bt) if best is not None else 0
-        physical = min(n, max(prefixes.values(), default=0) * bt)
-        reused = min(n, outcome.reused_blocks * bt)
-        ttft = outcome.ttft_s + plan_s
-        sim_eg = adm.t_base_s - outcome.ttft_s
-        eg = adm.t_base_s - ttft
-        mv = choice.move
-        rows.append(Row(
-            policy=policy.name, trial=trial, workload=r.workload, request_id=r.request_id, tenant=r.tenant,
-            arrival_s=now, prompt_tokens=n, output_tokens=r.output_tokens, worker=choice.worker,
-            baseline_worker=base, action=choice.action, source=str(mv.source) if mv is not None else None,
-            link=outcome.link, logical_tokens=logical, physical_tokens=physical, reused_tokens=reused,
-            useful_tokens=reused if (eg > 0 and outcome.unsafe_blocks == 0) else 0,
-            unsafe_tokens=min(n, outcome.unsafe_blocks * bt), moved_tokens=outcome.moved_blocks * bt,
-            moved_bytes=outcome.moved_bytes, queue_s=outcome.queue_s, visible_transfer_s=outcome.visible_transfer_s,
-            transfer_s=outcome.transfer_s, prefill_s=outcome.prefill_s, plan_s=plan_s, sim_ttft_s=outcome.ttft_s,
-            ttft_s=ttft, t_recompute_s=adm.t_base_s, sim_eg_s=sim_eg, eg_s=eg, predicted_eg_s=choice.predicted_eg_s,
-            oracle_eg_s=adm.t_base_s - adm.oracle[1].ttft_s, fallback=outcome.fallback,
-            failed=outcome.fallback is not None and outcome.copy_status == "not_found" and not policy.mode.fallback))
+        rows.append(_row(policy, trial, r, adm, choice, outcome, plan_s, bt))
     state.advance(math.inf)
+    if on_finish is not None:
+        on_finish(state)
     return RunOutput(policy.name, trial, rows, policy.counters(), time.perf_counter() - started, state.batches,
                      state.index.memberships)
 
+
+def _row(policy: Policy, trial: int, r: Request, adm: Admission, choice: Choice, outcome: Outcome, plan_s: float,
+         bt: int) -> Row:
+    n = adm.prompt_tokens
+    best = adm.lookup().best_certain_prefix()
+    reused = min(n, outcome.reused_blocks * bt)
+    ttft = outcome.ttft_s + plan_s
+    eg = adm.t_base_s - ttft
+    mv = choice.move
+    return Row(
+        policy=policy.name, trial=trial, workload=r.workload, request_id=r.request_id, tenant=r.tenant,
+        arrival_s=adm.now, prompt_tokens=n, output_tokens=r.output_tokens, worker=choice.worker,
+        baseline_worker=adm.baseline_worker, action=choice.action, source=str(mv.source) if mv is not None else None,
+        link=outcome.link, logical_tokens=min(n, best.prefix_blocks * bt) if best is not None else 0,
+        physical_tokens=min(n, max(adm.prefixes.values(), default=0) * bt), reused_tokens=reused,
+        useful_tokens=reused if (eg > 0 and outcome.unsafe_blocks == 0) else 0,
+        unsafe_tokens=min(n, outcome.unsafe_blocks * bt), moved_tokens=outcome.moved_blocks * bt,
+        moved_bytes=outcome.moved_bytes, queue_s=outcome.queue_s, visible_transfer_s=outcome.visible_transfer_s,
+        transfer_s=outcome.transfer_s, prefill_s=outcome.prefill_s, plan_s=plan_s, sim_ttft_s=outcome.ttft_s,
+        ttft_s=ttft, t_recompute_s=adm.t_base_s, sim_eg_s=adm.t_base_s - outcome.ttft_s, eg_s=eg,
+        predicted_eg_s=choice.predicted_eg_s, oracle_eg_s=adm.t_base_s - adm.oracle[1].ttft_s,  # type: ignore[index]
+        fallback=outcome.fallback,
+        failed=outcome.fallback is not None and outcome.copy_status == "not_found" and not policy.mode.fallback)
