@@ -7,9 +7,12 @@
 * Reuse rates, each over all prompt tokens: **logical** (the longest prefix the index reported
   anywhere), **physical** (the longest prefix truly held anywhere), **reused** (consumed by the
   executed path), **useful** (reused by requests whose realized EG was positive, and safe).
-* Effective Gain: the sum over requests (``eg_s``, planning time charged), its share of the oracle
-  run's sum (``eg_vs_oracle``: the same workload, the oracle's own run), and its share of the
-  oracle's gain on this policy's own states (``eg_vs_shadow``: per-decision quality, at most 1).
+* Effective Gain: the sum over requests (``eg_s``, planning time charged); its share of the oracle
+  policy's sum (``eg_vs_oracle``: the same workload, the oracle's own run — greedy and priced at
+  admission, so not a strict bound on what another policy realizes); and its share of the
+  per-decision bound (``eg_vs_bound``: the oracle's best path priced on *this policy's own* states
+  at admission; realized gain never exceeds it, request by request, so this is at most 1).
+* Utilization: prefill busy seconds over workers x span.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Summary:
     throughput_rps: float
     throughput_tokens_per_s: float
     busy_s: float
+    utilization: float  # busy_s / (workers * span)
     logical_rate: float
     physical_rate: float
     reused_rate: float
@@ -42,7 +46,7 @@ class Summary:
     eg_s: float  # aggregate realized EG, planning time charged
     eg_mean_s: float
     eg_vs_oracle: float | None  # eg_s / the oracle run's eg_s
-    eg_vs_shadow: float | None  # eg_s / the oracle's EG on this policy's own states
+    eg_vs_bound: float | None  # eg_s / the per-decision bound: the oracle's EG on this policy's own states
     negative_eg_requests: int
     fallbacks: int
     failed: int
@@ -58,7 +62,7 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def summarize(policy: str, rows: Sequence[Row], oracle_eg_s: float | None) -> Summary:
+def summarize(policy: str, rows: Sequence[Row], oracle_eg_s: float | None, *, workers: int) -> Summary:
     """The figures of one policy's rows; ``oracle_eg_s`` is the oracle run's aggregate EG."""
     if not rows:
         raise ValueError(f"{policy}: no rows to summarize")
@@ -68,19 +72,21 @@ def summarize(policy: str, rows: Sequence[Row], oracle_eg_s: float | None) -> Su
     last = max(r.arrival_s + r.ttft_s for r in rows)
     span = max(last - first, 1e-9)
     eg = float(sum(r.eg_s for r in rows))
-    shadow = float(sum(r.oracle_eg_s for r in rows))
+    bound = float(sum(r.oracle_eg_s for r in rows))
     plan_ms = np.array([r.plan_s * 1e3 for r in rows])
+    busy = float(sum(r.prefill_s for r in rows))
     return Summary(
         policy=policy, requests=len(rows), ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
-        ttft_p99_s=float(np.percentile(ttft, 99)), throughput_rps=len(rows) / span, throughput_tokens_per_s=prompt / span,
-        busy_s=float(sum(r.prefill_s for r in rows)),
+        ttft_p99_s=float(np.percentile(ttft, 99)), throughput_rps=len(rows) / span,
+        throughput_tokens_per_s=prompt / span,
+        busy_s=busy, utilization=busy / (workers * span),
         logical_rate=sum(r.logical_tokens for r in rows) / prompt,
         physical_rate=sum(r.physical_tokens for r in rows) / prompt,
         reused_rate=sum(r.reused_tokens for r in rows) / prompt,
         useful_rate=sum(r.useful_tokens for r in rows) / prompt,
         unsafe_tokens=sum(r.unsafe_tokens for r in rows), eg_s=eg, eg_mean_s=eg / len(rows),
         eg_vs_oracle=_ratio(eg, oracle_eg_s) if oracle_eg_s is not None else None,
-        eg_vs_shadow=_ratio(eg, shadow), negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
+        eg_vs_bound=_ratio(eg, bound), negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
         fallbacks=sum(1 for r in rows if r.fallback is not None), failed=sum(1 for r in rows if r.failed),
         moved_gib=sum(r.moved_bytes for r in rows) / (1 << 30), plan_mean_ms=float(plan_ms.mean()),
         plan_p99_ms=float(np.percentile(plan_ms, 99)))

@@ -7,8 +7,11 @@ hidden behind the worker's queue reaches. It prices each with :meth:`ClusterStat
 costs, link queues, gaps in the worker's schedule, this request's noise) and keeps the fastest.
 
 It is an upper bound *per decision*: no policy's path on the same state is faster, because every
-path a policy can take is among these (the harness's tests check it request by request). It is
-greedy, so it is not a bound on a whole run — a decision that is best now can shape a later state.
+path a policy can take is among these, and what arrives later can only delay a path (a request
+parked for its copy may be overtaken), never speed it up — the harness's tests check it request by
+request. It is not a bound on a whole run: it is greedy (a decision that is best now can shape a
+later state), and it prices paths at admission, so the oracle *policy* realizes less than it
+planned whenever later arrivals overtake the requests it parked for copies.
 Only the request's own state is considered: without semantic validation a policy may reuse
 another tenant's blocks, which no bound should count.
 """

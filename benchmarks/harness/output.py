@@ -120,8 +120,9 @@ def write_result_file(result: HarnessResult, command: str, *, results_dir: Path 
     best = result.best_other()
     if value is None or best is None:
         raise ValueError("the run has no oracle gain to compare with (nothing could be reused)")
-    per_policy = {p: {k: result.median(p, k) for k in ("eg_vs_oracle", "eg_vs_shadow", "eg_s", "ttft_mean_s",
-                                                       "ttft_p50_s", "ttft_p99_s", "throughput_rps", "logical_rate",
+    per_policy = {p: {k: result.median(p, k) for k in ("eg_vs_oracle", "eg_vs_bound", "eg_s", "ttft_mean_s",
+                                                       "ttft_p50_s", "ttft_p99_s", "throughput_rps", "utilization",
+                                                       "logical_rate",
                                                        "physical_rate", "reused_rate", "useful_rate")}
                   for p in result.config.runs}
     details = {"workload": result.workload.name, "requests": len(result.workload.requests),
@@ -142,22 +143,23 @@ def render(result: HarnessResult) -> str:
     wl = result.workload
     lines = [f"harness: {wl.name}, {len(wl.requests)} requests ({wl.arrival}), {cfg.workers} workers of "
              f"{cfg.profile}, {cfg.model}, truth '{cfg.drift}', {cfg.trials} trial(s), seed {cfg.seed}",
-             f"{'policy':24s} {'TTFT mean':>9s} {'p50':>7s} {'p99':>7s} {'req/s':>6s} {'logical':>7s} "
-             f"{'physical':>8s} {'useful':>6s} {'EG sum s':>9s} {'EG/oracle':>9s} {'EG/shadow':>9s} {'fallbk':>6s} "
+             f"{'policy':24s} {'TTFT mean':>9s} {'p50':>7s} {'p99':>7s} {'req/s':>6s} {'util':>5s} {'logical':>7s} "
+             f"{'physical':>8s} {'useful':>6s} {'EG sum s':>9s} {'EG/oracle':>9s} {'EG/bound':>8s} {'fallbk':>6s} "
              f"{'plan ms':>7s}"]
     for p in cfg.runs:
         m = lambda a, p=p: result.median(p, a)  # noqa: E731 - a local shorthand for the table
         lines.append(
             f"{p:24s} {_f(m('ttft_mean_s'), '9.3f')} {_f(m('ttft_p50_s'), '7.3f')} {_f(m('ttft_p99_s'), '7.3f')} "
-            f"{_f(m('throughput_rps'), '6.2f')} {_f(m('logical_rate'), '7.3f')} {_f(m('physical_rate'), '8.3f')} "
+            f"{_f(m('throughput_rps'), '6.2f')} {_f(m('utilization'), '5.2f')} {_f(m('logical_rate'), '7.3f')} "
+            f"{_f(m('physical_rate'), '8.3f')} "
             f"{_f(m('useful_rate'), '6.3f')} {_f(m('eg_s'), '9.2f')} {_f(m('eg_vs_oracle'), '9.3f')} "
-            f"{_f(m('eg_vs_shadow'), '9.3f')} {_f(m('fallbacks'), '6.0f')} {_f(m('plan_mean_ms'), '7.3f')}")
+            f"{_f(m('eg_vs_bound'), '8.3f')} {_f(m('fallbacks'), '6.0f')} {_f(m('plan_mean_ms'), '7.3f')}")
     if result.control is not None:
         c = result.control
-        lines.append(f"no-reuse control ({c['requests']} requests): mean TTFT recompute {c['recompute_ttft_mean_s']:.4f} s,"
-                     f" nexuskv {c['nexuskv_ttft_mean_s']:.4f} s: overhead {c['overhead']:+.3%} "
-                     f"(p50 {c['overhead_p50']:+.3%}, p99 {c['overhead_p99']:+.3%}; plan {c['nexuskv_plan_mean_ms']:.3f}"
-                     f" ms mean)")
+        lines.append(f"no-reuse control ({c['requests']} requests): mean TTFT recompute "
+                     f"{c['recompute_ttft_mean_s']:.4f} s, nexuskv {c['nexuskv_ttft_mean_s']:.4f} s: overhead "
+                     f"{c['overhead']:+.3%} (p50 {c['overhead_p50']:+.3%}, p99 {c['overhead_p99']:+.3%}; plan "
+                     f"{c['nexuskv_plan_mean_ms']:.3f} ms mean)")
     for name, g in goals(result).items():
         value = g["value"]
         shown = "-" if value is None else (f"{value:.3f}" if name != "control_overhead" else f"{value:+.3%}")

@@ -77,6 +77,7 @@ class Outcome:
     ttft_s: float  # arrival to first token, simulated (planning time not included)
     start: float
     end: float
+    ready: float  # when the prefill may start (its copy in, or the copy given up)
     copy_start: float | None
     copy_end: float | None  # when the copy finished, failed or was abandoned
     copy_status: str | None  # "completed", "not_found" or "abandoned"

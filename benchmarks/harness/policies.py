@@ -81,7 +81,11 @@ class Policy(ABC):
         """Where the request runs and what is copied for it."""
 
     def decided(self, adm: Admission, choice: Choice, outcome: Outcome) -> None:
-        """Called once the choice is carried out (completion hooks go on ``self.state.at``)."""
+        """Called once the choice is carried out (completion hooks go on ``self.state.at``); the
+        outcome is as priced at admission: a parked request's slot is not final yet."""
+
+    def finished(self, adm: Admission, choice: Choice, outcome: Outcome) -> None:
+        """Called when the request has taken its slot: ``outcome`` is final."""
 
     def counters(self) -> dict[str, int]:
         return {}
@@ -288,6 +292,8 @@ class NexusKV(Policy):
             self.count["negative_eg_choices"] += 1
         if p.transfers and outcome.copy_end is not None and outcome.copy_status != "abandoned":
             self.state.at(outcome.copy_end, lambda: self._copy_done(p, outcome))
+
+    def finished(self, adm: Admission, choice: Choice, outcome: Outcome) -> None:
         if self.calibration is not None and outcome.uncached_tokens > 0:
             obs = PrefillObservation(model=adm.descriptor.model, profile=self.profile, worker=choice.worker,
                                      uncached_tokens=outcome.uncached_tokens, context_tokens=adm.prompt_tokens,

@@ -202,13 +202,14 @@ def run_harness(config: HarnessConfig) -> HarnessResult:
     for trial in range(config.trials):
         grouped = by_policy((r for o in main if o.trial == trial for r in o.rows), warmup=config.warmup)
         oracle_eg = sum(r.eg_s for r in grouped["oracle"])
-        trials.append({p: summarize(p, grouped[p], oracle_eg) for p in config.runs})
+        trials.append({p: summarize(p, grouped[p], oracle_eg, workers=config.workers) for p in config.runs})
     counters = {f"{o.policy}#{o.trial}": {**o.counters, "kv_batches": o.kv_batches,
                                           "index_memberships_at_end": o.index_memberships,
                                           "run_wall_s": round(o.wall_s, 2)} for o in main}
     control_figures = None
     if control is not None:
-        ctl = {o.policy: summarize(o.policy, o.rows, None) for o, t in zip(outputs, tasks) if t[0] == "control"}
+        ctl = {o.policy: summarize(o.policy, o.rows, None, workers=config.workers) for o, t in zip(outputs, tasks)
+               if t[0] == "control"}
         base, nkv = ctl["recompute"], ctl["nexuskv"]
         control_figures = {
             "workload": control.source, "requests": len(control.requests), "arrival": control.arrival,

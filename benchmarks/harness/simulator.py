@@ -8,13 +8,14 @@ For each request in arrival order the simulator
 2. builds the admission: the workers' reported loads, the true prefix every place holds, the
    true time to recompute the prompt on each worker, the **baseline** (recomputing on the worker a
    load balancer without cache awareness picks: :func:`balance`), and the oracle's best path on
-   this very state;
+   this very state (priced on the state as it is: what arrives later can only delay a path);
 3. asks the policy, timing the call (index lookup, planning, records): that wall time is the
    request's measured planning time;
 4. carries the choice out with the true costs and records a :class:`Row`.
 
 TTFT = queue + visible copy + prefill of the uncached tokens (+ decode and copy interference,
-restore, sync) + the measured planning time. The simulated schedule itself is deterministic for
+restore, sync) + the measured planning time. A request waiting for its copy is parked and takes
+its slot when the copy is done; its row is written then. The simulated schedule itself is deterministic for
 a seed: the measured planning time is added to the request's own TTFT and EG only and does not
 shift later requests (it is well under a millisecond against queues of tenths of seconds), so a
 rerun reproduces every decision and every simulated time exactly.
@@ -120,7 +121,7 @@ def admit(state: ClusterState, request: Request, position: int, book: KeyBook) -
     noise = state.truth.noise(position)
     prefixes, safe = state.prefixes(keys, held)
     n = request.prompt_tokens
-    recompute = state.recompute(now, n, noise, decode)
+    recompute = state.recompute(now, n, noise, decode, position)
     base = balance(loads)
     adm = Admission(
         position=position, now=now, request_id=request.request_id, workload=request.workload, tenant=request.tenant,
@@ -143,24 +144,28 @@ def simulate(policy: Policy, workload: Workload, spec: ClusterSpec, drift: Drift
                          layerwise=spec.layerwise and policy.layerwise)
     policy.bind(state)
     bt = state.block_tokens
-    rows: list[Row] = []
+    rows: dict[int, Row] = {}
     clock = time.perf_counter_ns
     for position, r in enumerate(workload.requests):
         state.advance(r.arrival_s)
         policy.admitted(r.arrival_s)
         adm = admit(state, r, position, book)
-        assert adm.oracle is not None
         t0 = clock()
         choice = policy.decide(adm)
         plan_s = (clock() - t0) * 1e-9 if policy.timed else 0.0
-        outcome = state.evaluate(adm, choice, policy.mode, commit=True)
+
+        def placed(outcome: Outcome, adm: Admission = adm, choice: Choice = choice, plan_s: float = plan_s,
+                   r: Request = r) -> None:
+            policy.finished(adm, choice, outcome)
+            rows[adm.position] = _row(policy, trial, r, adm, choice, outcome, plan_s, bt)
+
+        outcome = state.evaluate(adm, choice, policy.mode, commit=True, done=placed)
         policy.decided(adm, choice, outcome)
-        rows.append(_row(policy, trial, r, adm, choice, outcome, plan_s, bt))
     state.advance(math.inf)
     if on_finish is not None:
         on_finish(state)
-    return RunOutput(policy.name, trial, rows, policy.counters(), time.perf_counter() - started, state.batches,
-                     state.index.memberships)
+    return RunOutput(policy.name, trial, [rows[i] for i in range(len(rows))], policy.counters(),
+                     time.perf_counter() - started, state.batches, state.index.memberships)
 
 
 def _row(policy: Policy, trial: int, r: Request, adm: Admission, choice: Choice, outcome: Outcome, plan_s: float,

@@ -14,6 +14,7 @@ Nothing here reads a clock: time is the simulated time passed in.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -33,7 +34,7 @@ from nexuskv.lookup import LookupResult
 from benchmarks.harness.caches import LruTier, Publisher
 from benchmarks.harness.cluster import STORE, ClusterSpec
 from benchmarks.harness.paths import Choice, ExecMode, Outcome, Place
-from benchmarks.harness.timeline import DecodeLoad, Links, Timeline
+from benchmarks.harness.timeline import DecodeLoad, Engine, Job, Links
 from benchmarks.harness.truth import Noise, TrueCosts
 
 __all__ = ["TIER_SETS", "IDENTITIES", "Admission", "ClusterState"]
@@ -126,7 +127,7 @@ class ClusterState:
                 self.places[Place(STORE, Tier.REMOTE)] = store
         self.index = GlobalIndex()
         self._pending: deque[tuple[float, float, KvEventBatch]] = deque()  # (due, published, batch)
-        self.timelines = {w: Timeline() for w in self.workers}
+        self.engines = {w: Engine(self.at) for w in self.workers}
         self.decode = {w: DecodeLoad() for w in self.workers}
         self.links = Links()
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -170,8 +171,6 @@ class ClusterState:
                 self.index.apply(pending.popleft()[2])
             else:
                 heapq.heappop(events)[2]()
-        for tl in self.timelines.values():
-            tl.prune(now)
 
     def publish(self, batch: KvEventBatch | None, at: float) -> None:
         if batch is not None:
@@ -191,9 +190,9 @@ class ClusterState:
         """What each worker reports: queued prefill tokens, decode blocks, active requests."""
         out = []
         for w in self.workers:
-            tl, dl = self.timelines[w], self.decode[w]
-            out.append(WorkerLoad(worker=w, queued_prefill_tokens=tl.queued_tokens(now),
-                                  decode_blocks=dl.blocks(now), active_requests=tl.jobs(now) + dl.requests(now),
+            eng, dl = self.engines[w], self.decode[w]
+            out.append(WorkerLoad(worker=w, queued_prefill_tokens=eng.queued_tokens(now),
+                                  decode_blocks=dl.blocks(now), active_requests=eng.jobs(now) + dl.requests(now),
                                   profile=self.spec.profile))
         return tuple(out)
 
@@ -223,14 +222,14 @@ class ClusterState:
                     safe[place] = own if own is not None else p
         return raw, safe
 
-    def recompute(self, now: float, prompt_tokens: int, noise: Noise,
-                  decode_blocks: dict[str, int]) -> dict[str, float]:
-        """Per worker, the true TTFT of recomputing the whole prompt there, starting now."""
+    def recompute(self, now: float, prompt_tokens: int, noise: Noise, decode_blocks: dict[str, int],
+                  position: int) -> dict[str, float]:
+        """Per worker, the true TTFT of recomputing the whole prompt there, arriving now."""
         out = {}
         compute = self.truth.compute_s(prompt_tokens, prompt_tokens, noise.compute)
         for w in self.workers:
             dur = compute + self.truth.decode_s(decode_blocks[w], self.block_bytes, prompt_tokens)
-            out[w] = self.timelines[w].earliest(now, dur) + dur - now
+            out[w] = self.engines[w].start_of(now, now, dur, position) + dur - now
         return out
 
     # -- carrying out a choice ------------------------------------------------------------------------
@@ -265,11 +264,17 @@ class ClusterState:
             job += copy_s * self.truth.interference(link)  # type: ignore[arg-type]
         return job, compute, e
 
-    def evaluate(self, adm: Admission, choice: Choice, mode: ExecMode, *, commit: bool = False) -> Outcome:
-        """The true cost of ``choice`` for ``adm``; with ``commit``, carry it out."""
+    def evaluate(self, adm: Admission, choice: Choice, mode: ExecMode, *, commit: bool = False,
+                 done: Callable[[Outcome], None] | None = None) -> Outcome:
+        """The true cost of ``choice`` for ``adm`` on the state now; with ``commit``, carry it out.
+
+        A request that must wait for its copy is parked and takes its slot when the copy is done
+        (or given up); requests admitted meanwhile may run before it, so its final outcome can only
+        be later than the one returned here. ``done`` receives the final outcome once it is placed.
+        """
         w, t = choice.worker, adm.now
         local = adm.prefixes.get(Place(w, Tier.GPU), 0) if mode.local_reuse else 0
-        tl = self.timelines[w]
+        eng, pos = self.engines[w], adm.position
         mv = choice.move
         link = copy_status = fallback = None
         resources: tuple[str, ...] = ()
@@ -277,6 +282,7 @@ class ClusterState:
         copy_start = copy_end = None
         moved = nbytes = 0
         head_s = 0.0  # a synchronous copy's share of the job
+        ready = t
         reuse = local
         consumed = False
         if mv is not None and mv.end > mv.start and mv.blocks > 0:
@@ -316,11 +322,12 @@ class ClusterState:
                         ready = max(t, copy_end - overlap) if connects else t
                         if not connects:
                             fallback = "the copied blocks do not extend the worker's own prefix"
-                start = tl.earliest(ready, job)
+                start = eng.start_of(t, ready, job, pos)
             else:
                 # The engine loads synchronously when it schedules the request: the copy is part of the job.
                 head = self.truth.latency_s(link) if not present else max(0.0, copy_s - overlap)
-                start = tl.earliest(max(t, free), job + head)
+                ready = max(t, free)
+                start = eng.start_of(t, ready, job + head, pos)
                 copy_start = start
                 copy_end = start + (copy_s if present else self.truth.latency_s(link))
                 copy_status = "completed" if present else "not_found"
@@ -334,8 +341,8 @@ class ClusterState:
                 reuse = mv.end
         else:
             job, compute, e = self._job(adm, w, local, local, False, None, 0.0)
-            start = tl.earliest(t, job)
-        start_nt = tl.earliest(t, job)
+            start = eng.start_of(t, t, job, pos)
+        start_nt = eng.start_of(t, t, job, pos)
         end = start + job + head_s
         queue = max(0.0, start_nt - t)
         visible = max(0.0, (start - t) - queue) + head_s
@@ -349,15 +356,18 @@ class ClusterState:
         outcome = Outcome(
             worker=w, reused_blocks=reuse, unsafe_blocks=unsafe, moved_blocks=moved, moved_bytes=nbytes, link=link,
             queue_s=queue, visible_transfer_s=visible, transfer_s=copy_s, prefill_s=job,
-            ttft_s=end - t, start=start, end=end, copy_start=copy_start, copy_end=copy_end, copy_status=copy_status,
+            ttft_s=end - t, start=start, end=end, ready=ready, copy_start=copy_start, copy_end=copy_end,
+            copy_status=copy_status,
             fallback=fallback, uncached_tokens=e, compute_s=compute)
         if commit:
-            self._commit(adm, choice, outcome, resources)
+            self._commit(adm, choice, outcome, resources, done)
         return outcome
 
-    def _commit(self, adm: Admission, choice: Choice, o: Outcome, resources: tuple[str, ...]) -> None:
+    def _commit(self, adm: Admission, choice: Choice, o: Outcome, resources: tuple[str, ...],
+                done: Callable[[Outcome], None] | None) -> None:
         w = choice.worker
-        self.timelines[w].reserve(o.start, o.end - o.start, o.uncached_tokens)
+        self.engines[w].submit(Job(adm.position, o.ready, o.end - o.start, o.uncached_tokens,
+                                   lambda start: self._started(adm, w, o, start, done)), adm.now)
         if resources and o.copy_end is not None:
             self.links.hold(resources, o.copy_end)
         # What the request uses is most recently used from now on (pinned, in effect, until consumed).
@@ -369,10 +379,22 @@ class ClusterState:
             src = self.places.get(mv.source)
             if src is not None:
                 src.touch(adm.keys[mv.start:mv.end])
+
+    def _started(self, adm: Admission, w: str, o: Outcome, start: float,
+                 done: Callable[[Outcome], None] | None) -> None:
+        """The request's prefill started on ``w``: its outcome is final."""
+        if start != o.start:
+            duration = o.end - o.start
+            head = duration - o.prefill_s
+            o = dataclasses.replace(o, start=start, end=start + duration, ttft_s=start + duration - adm.now,
+                                    visible_transfer_s=start - adm.now - o.queue_s + head)
         out_blocks = -(-(adm.prompt_tokens + adm.output_tokens) // self.block_tokens)
         self.decode[w].add(o.end, o.end + adm.output_tokens * self.spec.tpot_s, out_blocks)
         if self.tiers != "none":
-            self.at(o.end, lambda: self._prefilled(adm, w, o.end))
+            end = o.end
+            self.at(end, lambda: self._prefilled(adm, w, end))
+        if done is not None:
+            done(o)
 
     def _prefilled(self, adm: Admission, worker: str, at: float) -> None:
         """The prefill is done: its blocks are in the worker's GPU cache, and written through to the store."""

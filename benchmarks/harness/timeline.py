@@ -1,9 +1,7 @@
 """Time on the simulated workers: prefill slots, in-flight decode, and busy links.
 
-* :class:`Timeline` — one worker's prefill engine as busy intervals. A job goes in the earliest
-  gap at or after the time it is ready that fits it (first come first served with backfilling):
-  a request parked while its state is copied in does not hold up the requests behind it, as an
-  engine that parks requests waiting for remote KV does (vLLM's ``WAITING_FOR_REMOTE_KVS``).
+* :class:`Engine` — one worker's prefill engine: non-preemptive, earliest arrival first among
+  the jobs that are ready (a job waiting for its copied state does not hold up the others).
 * :class:`DecodeLoad` — requests decoding on a worker, as KV blocks (what decode costs a prefill).
 * :class:`Links` — when each link resource (a worker's PCIe, NVMe, NIC) is next free: copies on
   one resource queue behind each other.
@@ -11,62 +9,95 @@
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["Timeline", "DecodeLoad", "Links"]
+__all__ = ["Job", "Engine", "DecodeLoad", "Links"]
 
 
-class Timeline:
-    """Busy prefill intervals of one worker, ``[start, end)`` seconds, sorted by start."""
+@dataclass(slots=True)
+class Job:
+    """A prefill waiting for (or holding) a worker's engine."""
 
-    __slots__ = ("_starts", "_jobs")
+    position: int  # arrival order: the earlier arrival goes first among ready jobs
+    ready: float  # when its state is in (or its copy was given up)
+    duration: float
+    tokens: int  # uncached tokens (what the worker reports as queued work)
+    on_start: Callable[[float], None]
 
-    def __init__(self) -> None:
-        self._starts: list[float] = []
-        self._jobs: list[tuple[float, float, int]] = []  # (start, end, uncached tokens)
 
-    def earliest(self, ready: float, duration: float) -> float:
-        """The earliest start ``>= ready`` of a job of ``duration`` seconds."""
-        t = ready
-        end_needed = t + duration
-        for start, end, _tokens in self._jobs:
-            if end <= t:
+class Engine:
+    """One worker's prefill engine: one job at a time, to completion; when it frees up it takes the
+    earliest-arrived job that is ready. A job whose state is still being copied waits without
+    blocking the jobs behind it, and gets its place back when its state is in (vLLM's waiting queue
+    with ``WAITING_FOR_REMOTE_KVS``). The engine idles only when no job is ready.
+
+    ``schedule(when, action)`` runs ``action`` at simulated time ``when`` (the run's event queue).
+    """
+
+    __slots__ = ("_schedule", "_waiting", "_running", "_wake")
+
+    def __init__(self, schedule: Callable[[float, Callable[[], None]], None]) -> None:
+        self._schedule = schedule
+        self._waiting: list[Job] = []
+        self._running: tuple[float, float, int] | None = None  # (start, end, tokens)
+        self._wake: float | None = None  # a wake-up already scheduled for the next ready job
+
+    def start_of(self, now: float, ready: float, duration: float, position: int) -> float:
+        """When a job arriving now (after every waiting one) would start, if nothing else arrives."""
+        t = now
+        if self._running is not None and self._running[1] > t:
+            t = self._running[1]
+        waiting = sorted((j.position, j.ready, j.duration) for j in self._waiting)
+        mine = (position, ready, duration)
+        queue = waiting + [mine]
+        while True:
+            ready_now = [j for j in queue if j[1] <= t]
+            if not ready_now:
+                t = min(j[1] for j in queue)
                 continue
-            if start >= end_needed:
+            job = min(ready_now)
+            if job is mine:
                 return t
-            t = end
-            end_needed = t + duration
-        return t
+            queue.remove(job)
+            t += job[2]
 
-    def reserve(self, start: float, duration: float, tokens: int) -> None:
-        i = bisect.bisect_right(self._starts, start)
-        self._starts.insert(i, start)
-        self._jobs.insert(i, (start, start + duration, tokens))
+    def submit(self, job: Job, now: float) -> None:
+        self._waiting.append(job)
+        self._dispatch(now)
 
-    def prune(self, now: float) -> None:
-        """Forget jobs that ended before ``now``."""
-        if self._jobs and self._jobs[0][1] <= now:
-            keep = [j for j in self._jobs if j[1] > now]
-            self._jobs = keep
-            self._starts = [j[0] for j in keep]
+    def _dispatch(self, now: float) -> None:
+        if self._running is not None:
+            if self._running[1] > now:
+                return
+            self._running = None
+        ready = [j for j in self._waiting if j.ready <= now]
+        if not ready:
+            nxt = min((j.ready for j in self._waiting), default=None)
+            if nxt is not None and self._wake != nxt:
+                self._wake = nxt
+                self._schedule(nxt, lambda: self._dispatch(nxt))
+            return
+        job = min(ready, key=lambda j: j.position)
+        self._waiting.remove(job)
+        end = now + job.duration
+        self._running = (now, end, job.tokens)
+        self._schedule(end, lambda: self._dispatch(end))
+        job.on_start(now)
 
     def queued_tokens(self, now: float) -> int:
-        """Prefill tokens not yet computed at ``now`` (a running job counts its remaining share)."""
-        total = 0.0
-        for start, end, tokens in self._jobs:
-            if end <= now:
-                continue
-            if start >= now:
-                total += tokens
-            else:
-                total += tokens * (end - now) / (end - start)
+        """Prefill tokens not yet computed at ``now``: every waiting job's (parked ones too) and the
+        remaining share of the running one's."""
+        total = float(sum(j.tokens for j in self._waiting))
+        if self._running is not None:
+            start, end, tokens = self._running
+            if end > now:
+                total += tokens * (end - now) / (end - start) if end > start else 0.0
         return int(total)
 
     def jobs(self, now: float) -> int:
-        return sum(1 for _s, end, _t in self._jobs if end > now)
-
-    def busy_until(self) -> float:
-        return max((end for _s, end, _t in self._jobs), default=0.0)
+        running = 1 if self._running is not None and self._running[1] > now else 0
+        return running + len(self._waiting)
 
 
 class DecodeLoad:

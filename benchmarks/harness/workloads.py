@@ -106,7 +106,7 @@ class Workload:
                 "lora_requests": sum(1 for r in self.requests if r.lora is not None)}
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=16384)
 def _segment(segment_id: int, length: int) -> np.ndarray:
     tokens = np.random.default_rng(segment_id).integers(0, VOCAB, length, dtype=np.uint32)
     tokens.setflags(write=False)
