@@ -162,18 +162,12 @@ def _connector_load(adm: Admission, worker: str) -> Choice:
     return Choice(worker, Move(where, local, best, best - local), action="load")
 
 
-class Dynamo(Policy):
-    name = "dynamo"
-    router = DynamoCost()
+class Routed(Policy):
+    """A router of :mod:`nexuskv.routing` picks the worker; its connector loads what it holds."""
 
-    def decide(self, adm: Admission) -> Choice:
-        route = self.router.select(query(adm), adm.lookup(), now=adm.now)
-        return _connector_load(adm, route.worker)
-
-
-class Llmd(Policy):
-    name = "llm-d"
-    router = LlmdScheduler()
+    def __init__(self, router: DynamoCost | LlmdScheduler) -> None:
+        self.router = router
+        self.name = router.name
 
     def decide(self, adm: Admission) -> Choice:
         route = self.router.select(query(adm), adm.lookup(), now=adm.now)
@@ -393,8 +387,8 @@ POLICY_NOTES: dict[str, str] = {
 def make_policy(name: str, profile: str) -> Policy:
     """A fresh policy (policies hold run state: build one per run)."""
     simple: dict[str, Callable[[], Policy]] = {"recompute": Recompute, "engine-lru": EngineLru,
-                                               "hit-driven": HitDriven, "dynamo": Dynamo, "llm-d": Llmd,
-                                               "oracle": Oracle}
+                                               "hit-driven": HitDriven, "dynamo": lambda: Routed(DynamoCost()),
+                                               "llm-d": lambda: Routed(LlmdScheduler()), "oracle": Oracle}
     if name in simple:
         return simple[name]()
     if name == "nexuskv":
