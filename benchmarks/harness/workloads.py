@@ -247,7 +247,6 @@ def shapes_workload(*, requests: int, seed: int, rate_per_s: float, arrival: str
     shared: dict = {}
     cw = np.asarray(context_weights, dtype=float) / sum(context_weights)
     pending: list[list] = []  # open sessions: [shape, context, reuse, tenant, lora, prompts, next]
-    made = 0
     out: list[Request] = []
     times = _arrivals(requests, rate_per_s, arrival, rng)
     while len(out) < requests:
@@ -264,7 +263,6 @@ def shapes_workload(*, requests: int, seed: int, rate_per_s: float, arrival: str
         i = len(out)
         out.append(Request(f"shapes-{i:06d}", float(times[i]), tenant, lora, prompts[nxt],
                            max(1, int(rng.poisson(output_tokens))), shape, context, reuse))
-        made += 1
         pending[k][6] += 1
         if pending[k][6] >= len(prompts):
             pending.pop(k)
