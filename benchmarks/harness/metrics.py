@@ -7,11 +7,12 @@
 * Reuse rates, each over all prompt tokens: **logical** (the longest prefix the index reported
   anywhere), **physical** (the longest prefix truly held anywhere), **reused** (consumed by the
   executed path), **useful** (reused by requests whose realized EG was positive, and safe).
-* Effective Gain: the sum over requests (``eg_s``, planning time charged); its share of the oracle
-  policy's sum (``eg_vs_oracle``: the same workload, the oracle's own run — greedy and priced at
-  admission, so not a strict bound on what another policy realizes); and its share of the
-  per-decision bound (``eg_vs_bound``: the oracle's best path priced on *this policy's own* states
-  at admission; realized gain never exceeds it, request by request, so this is at most 1).
+* Effective Gain: the sum over requests (``eg_s``, planning time charged); **its share of the
+  oracle's** (``eg_vs_oracle``): the oracle's EG on the *same states* — its best path priced with
+  the true costs on the state this policy's run was in at each admission. No realized gain exceeds
+  it, request by request, so the share is at most 1: this is the upper bound. Also its share of the
+  oracle *policy's* own run (``eg_vs_oracle_run``): that run is greedy and priced at admission, so
+  it is not a bound on what another policy realizes (it can exceed 1).
 * Utilization: prefill busy seconds over workers x span.
 """
 
@@ -45,8 +46,8 @@ class Summary:
     unsafe_tokens: int
     eg_s: float  # aggregate realized EG, planning time charged
     eg_mean_s: float
-    eg_vs_oracle: float | None  # eg_s / the oracle run's eg_s
-    eg_vs_bound: float | None  # eg_s / the per-decision bound: the oracle's EG on this policy's own states
+    eg_vs_oracle: float | None  # eg_s / the oracle's EG on this policy's own states (the bound, <= 1)
+    eg_vs_oracle_run: float | None  # eg_s / the oracle policy's run's eg_s
     negative_eg_requests: int
     fallbacks: int
     failed: int
@@ -85,8 +86,8 @@ def summarize(policy: str, rows: Sequence[Row], oracle_eg_s: float | None, *, wo
         reused_rate=sum(r.reused_tokens for r in rows) / prompt,
         useful_rate=sum(r.useful_tokens for r in rows) / prompt,
         unsafe_tokens=sum(r.unsafe_tokens for r in rows), eg_s=eg, eg_mean_s=eg / len(rows),
-        eg_vs_oracle=_ratio(eg, oracle_eg_s) if oracle_eg_s is not None else None,
-        eg_vs_bound=_ratio(eg, bound), negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
+        eg_vs_oracle=_ratio(eg, bound),
+        eg_vs_oracle_run=_ratio(eg, oracle_eg_s) if oracle_eg_s is not None else None, negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
         fallbacks=sum(1 for r in rows if r.fallback is not None), failed=sum(1 for r in rows if r.failed),
         moved_gib=sum(r.moved_bytes for r in rows) / (1 << 30), plan_mean_ms=float(plan_ms.mean()),
         plan_p99_ms=float(np.percentile(plan_ms, 99)))

@@ -74,7 +74,7 @@ class HarnessConfig:
         if unknown:
             raise ValueError(f"policies: unknown {unknown}")
         if "oracle" not in self.policies:
-            raise ValueError("policies: the oracle is needed (every EG fraction is of its EG)")
+            raise ValueError("policies: the oracle is needed (the side by side compares every policy with it)")
         if self.requests < 1 or self.trials < 1 or self.jobs < 1 or self.warmup < 0:
             raise ValueError("requests, trials and jobs must be positive, warmup not negative")
         if self.warmup >= self.requests:
