@@ -7,6 +7,9 @@ DuckDB tables (``harness.duckdb``):
   prompt_tokens, ...``). ``nexuskv report`` plots the TTFT CDF per policy from it.
 * ``harness_summary`` — one row per (trial, policy): the figures of :class:`~.metrics.Summary`.
 * ``harness_record`` — the §10.6 record of the run, as JSON text, one row.
+* the decision store's own tables and views (:mod:`analytics.schema`), holding NexusKV's first
+  trial as the pipeline's sink would: its decisions, transfer results and the engines' prefill
+  observations (simulated times). ``nexuskv report harness.duckdb`` prints and plots them.
 
 The result file ``benchmarks/results/harness_eg_vs_oracle.json`` holds NexusKV's aggregate EG
 as a fraction of the oracle's on the same states (median over trials; :mod:`.metrics`); its
@@ -22,6 +25,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from analytics.store import DecisionStore
 from benchmarks._result import write_result
 from benchmarks.harness.metrics import Summary
 from benchmarks.harness.run import HarnessResult
@@ -66,6 +70,12 @@ def write_duckdb(result: HarnessResult, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in (path, path.with_name(path.name + ".wal")):
         stale.unlink(missing_ok=True)
+    store = DecisionStore(path)
+    try:
+        rec = result.store_records
+        store.write_all(rec.get("decisions", ()), rec.get("results", ()), rec.get("observations", ()))
+    finally:
+        store.close()
     con = duckdb.connect(str(path))
     try:
         requests = _rows_table(result.rows)

@@ -90,6 +90,11 @@ class Policy(ABC):
     def counters(self) -> dict[str, int]:
         return {}
 
+    def store_records(self) -> dict[str, list]:
+        """What the policy's run would have put on the decision store's topics (decisions, transfer
+        results, observations); empty for the policies that keep no decision record."""
+        return {}
+
 
 def query(adm: Admission, candidates: tuple | None = None) -> PlanQuery:
     """The planner's view of the request (the same one the routers read)."""
@@ -243,6 +248,10 @@ class NexusKV(Policy):
         self._fitted = base
         self.model = self._believe(base)
         self._plan: Plan | None = None
+        # The records the pipeline's decision sink would store for this run (NexusKV proper only:
+        # building the pydantic records costs time the ablations do not need).
+        self._records: dict[str, list] | None = (
+            {"decisions": [], "results": [], "observations": []} if name == "nexuskv" else None)
         self.count = {"scheduler_fallbacks": 0, "fits_applied": 0, "budget_refusals": 0, "negative_eg_choices": 0}
 
     def _believe(self, fitted: CostModel) -> CostModel:
@@ -284,10 +293,20 @@ class NexusKV(Policy):
             self.count["budget_refusals"] += 1
         if p.chosen.eg_s is not None and p.chosen.eg_s < 0:
             self.count["negative_eg_choices"] += 1
+        if self._records is not None:
+            self._records["decisions"].append(p.decision)  # built after the timed decision
         if p.transfers and outcome.copy_end is not None and outcome.copy_status != "abandoned":
             self.state.at(outcome.copy_end, lambda: self._copy_done(p, outcome))
 
     def finished(self, adm: Admission, choice: Choice, outcome: Outcome) -> None:
+        if self._records is not None:
+            # What the engine reports: the whole prefill job's time and the request's wait for it.
+            seen = PrefillObservation(model=adm.descriptor.model, profile=self.profile, worker=choice.worker,
+                                      uncached_tokens=outcome.uncached_tokens, context_tokens=adm.prompt_tokens,
+                                      duration_s=outcome.prefill_s, queued_s=outcome.queue_s)
+            self._records["observations"].append(
+                (ObservationRecord(observed_at=outcome.end, request_id=adm.request_id, observation=seen),
+                 f"{adm.request_id}/prefill"))
         if self.calibration is not None and outcome.uncached_tokens > 0:
             obs = PrefillObservation(model=adm.descriptor.model, profile=self.profile, worker=choice.worker,
                                      uncached_tokens=outcome.uncached_tokens, context_tokens=adm.prompt_tokens,
@@ -303,6 +322,8 @@ class NexusKV(Policy):
                 source=cmd.source, destination=cmd.destination, blocks_moved=len(cmd.keys) if done else 0,
                 bytes_moved=cmd.bytes if done else 0, started_at=o.copy_start, finished_at=o.copy_end,
                 error=None if done else "simulated: the source no longer holds the blocks")
+            if self._records is not None:
+                self._records["results"].append(result)
             for effect in self.scheduler.complete(result, now=o.copy_end):
                 if isinstance(effect, Fallback):
                     self.count["scheduler_fallbacks"] += 1
@@ -330,6 +351,9 @@ class NexusKV(Policy):
 
     def counters(self) -> dict[str, int]:
         return dict(self.count)
+
+    def store_records(self) -> dict[str, list]:
+        return dict(self._records) if self._records is not None else {}
 
 
 def _most_reuse(p: Plan) -> Plan:

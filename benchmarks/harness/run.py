@@ -102,6 +102,9 @@ class HarnessResult:
     record: dict
     wall_s: float
     files: dict[str, str] = field(default_factory=dict)
+    # NexusKV's first trial as the pipeline's decision sink would store it (decisions, transfer
+    # results, observations): the harness DuckDB file holds it in the decision store's schema.
+    store_records: dict[str, list] = field(default_factory=dict)
 
     def summary(self, policy: str, trial: int = 0) -> Summary:
         return self.trials[trial][policy]
@@ -233,5 +236,6 @@ def run_harness(config: HarnessConfig) -> HarnessResult:
                                                for r in workload.requests), spec.block_tokens),
         policies=notes, seed=config.seed, trials=config.trials, warmup=config.warmup, control=control_figures,
         artifacts=artifacts, wall_s=time.perf_counter() - started)
+    store = next((o.records for o in main if o.policy == "nexuskv" and o.trial == 0), {})
     return HarnessResult(config, workload, rows, trials, counters, control_figures, record,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, store_records=store)

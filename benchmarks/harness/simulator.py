@@ -101,6 +101,7 @@ class RunOutput:
     wall_s: float
     kv_batches: int
     index_memberships: int
+    records: dict[str, list]  # what the decision sink would store (Policy.store_records)
 
 
 def balance(loads: tuple[WorkerLoad, ...]) -> str:
@@ -165,7 +166,8 @@ def simulate(policy: Policy, workload: Workload, spec: ClusterSpec, drift: Drift
     if on_finish is not None:
         on_finish(state)
     return RunOutput(policy.name, trial, [rows[i] for i in range(len(rows))], policy.counters(),
-                     time.perf_counter() - started, state.batches, state.index.memberships)
+                     time.perf_counter() - started, state.batches, state.index.memberships,
+                     policy.store_records())
 
 
 def _row(policy: Policy, trial: int, r: Request, adm: Admission, choice: Choice, outcome: Outcome, plan_s: float,

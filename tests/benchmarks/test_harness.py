@@ -291,6 +291,38 @@ def test_duckdb_holds_one_row_per_policy_and_request(short_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_harness_db_is_a_decision_store_that_nexuskv_report_reads(short_run, tmp_path):
+    from analytics.report import report
+    from analytics.schema import ALL_VIEWS
+
+    result, _out = short_run
+    path = write_duckdb(result, tmp_path / "h.duckdb")
+    n = len(result.workload.requests)
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        # NexusKV's first trial, one decision per request, every engine prefill observed
+        assert con.execute("SELECT count(*), count(DISTINCT request_id) FROM decisions").fetchone() == (n, n)
+        assert con.execute("SELECT count(*) FROM observations WHERE kind = 'prefill'").fetchone()[0] == n
+        acted = sum(1 for r in result.rows if r.policy == "nexuskv" and r.trial == 0 and r.action != "recompute")
+        actions = dict(con.execute("SELECT action, count(*) FROM decisions GROUP BY action").fetchall())
+        assert n - actions.get("recompute", 0) == acted
+        for view in ALL_VIEWS:
+            assert con.execute(f"SELECT count(*) FROM {view}").fetchone()[0] > 0, view
+        # the store's observed TTFT is the simulated one for requests without a copy
+        rows = {r.request_id: r for r in result.rows if r.policy == "nexuskv" and r.trial == 0}
+        for rid, ttft in con.execute("SELECT request_id, observed_ttft_s FROM request_outcomes "
+                                     "WHERE transfer_status IS NULL").fetchall():
+            assert ttft == pytest.approx(rows[rid].sim_ttft_s)
+    finally:
+        con.close()
+    tables, plots = report(path, tmp_path / "plots")
+    assert "reuse rates" in tables
+    assert sorted(p.name for p in plots) == ["bandwidth_vs_size.png", "eg_distribution.png", "prediction_error.png",
+                                             "ttft_cdf.png"]
+    assert all(p.stat().st_size > 5000 for p in plots)
+
+
+@pytest.mark.slow
 def test_the_result_file_and_the_table_report_nexuskv_against_the_oracle(short_run, tmp_path):
     result, _out = short_run
     path = write_result_file(result, "python -m benchmarks.harness --test", results_dir=tmp_path)
