@@ -42,12 +42,12 @@ SCRIPT_B = [  # the restarted engine: seq 0..1
 ]
 
 
-def _publisher(tmp_path, script, name, endpoints):
+def _publisher(tmp_path, script, name, endpoints, topic, fmt):
     path = tmp_path / f"{name}.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in script))
     pub, replay = endpoints
     proc = subprocess.Popen([sys.executable, "-m", "connectors.zmq_publisher", str(path), "--endpoint", pub,
-                             "--replay-endpoint", replay, "--topic", TOPIC, "--format", "vllm-0.33"],
+                             "--replay-endpoint", replay, "--topic", topic, "--format", fmt],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ready = proc.stdout.readline().split()
     assert ready[0] == "READY", ready
@@ -69,15 +69,15 @@ def _fold(batches: list[KvEventBatch]) -> dict[tuple[int, str], set[int]]:
     return state
 
 
-TOPIC = f"kv@pod-{uuid.uuid4().hex[:8]}@sim-model"
-
-
 @pytest.mark.broker
-async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path):
+@pytest.mark.parametrize("fmt", ["vllm-0.23", "sglang-0.5.23"])  # replies without / with the topic frame
+async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path, fmt):
+    engine = fmt.split("-")[0]
+    topic = f"kv@pod-{uuid.uuid4().hex[:8]}@sim-model"
     await ensure_topics(kafka_url, partitions=8)
     endpoints = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-    bridge = EventBridge(BridgeConfig(engine="vllm", identity=publisher_identity(), default_block_size=BLOCK))
-    subscriber = KvEventSubscriber(endpoints[0], replay_endpoint=endpoints[1], topic_prefix=TOPIC)
+    bridge = EventBridge(BridgeConfig(engine=engine, identity=publisher_identity(), default_block_size=BLOCK))
+    subscriber = KvEventSubscriber(endpoints[0], replay_endpoint=endpoints[1], topic_prefix=topic)
     producer = make_producer(kafka_url, client_id="bridge-test")
     await producer.start()
     stop = asyncio.Event()
@@ -85,7 +85,7 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path):
     procs = []
     try:
         for name, script in (("a", SCRIPT_A), ("b", SCRIPT_B)):
-            proc = _publisher(tmp_path, script, name, endpoints)
+            proc = _publisher(tmp_path, script, name, endpoints, topic, fmt)
             procs.append(proc)
             await asyncio.sleep(0.5)  # let the SUB connection settle before the first PUB send
             proc.stdin.write("go\n")
@@ -120,7 +120,7 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path):
             for recs in records.values():
                 for record in recs:
                     batch = decode_record(KV_EVENTS, record)
-                    if batch.publisher == f"vllm/{TOPIC.split('@')[1]}/dp0":
+                    if batch.publisher == f"{engine}/{topic.split('@')[1]}/dp0":
                         mine.append(batch)
     finally:
         await consumer.stop()
