@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexuskv.errors import ConfigError
 
-__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "setting_rows"]
+__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "setting_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,19 @@ def parse_broker_url(url: str, *, field: str = "NEXUSKV_BROKER") -> BrokerUrl:
     return BrokerUrl(url=text, hosts=tuple(hosts))
 
 
+def parse_api_tokens(text: str) -> dict[str, str]:
+    """``token=tenant[,token=tenant...]`` to a mapping; a defect raises ValueError (never echoing a token)."""
+    out: dict[str, str] = {}
+    for i, part in enumerate(p for p in (text or "").split(",") if p.strip()):
+        token, sep, tenant = part.strip().partition("=")
+        if not sep or not tenant.strip():
+            raise ValueError(f"entry {i + 1} is not token=tenant")
+        if len(token) < 16:
+            raise ValueError(f"entry {i + 1}: tokens must have at least 16 characters")
+        out[token] = tenant.strip()
+    return out
+
+
 def _env(name: str, doc: str, default: Any, **kw: Any) -> Any:
     return Field(default, description=doc, json_schema_extra={"env": name}, **kw)
 
@@ -97,6 +110,26 @@ class Settings(BaseModel):
         "NEXUSKV_BROKER_START_TIMEOUT", "Seconds to wait for a broker to accept connections.", 30.0, gt=0, le=600
     )
     log_level: str = _env("NEXUSKV_LOG_LEVEL", "Python logging level of NexusKV services.", "INFO")
+    index_max_memberships: int = _env(
+        "NEXUSKV_INDEX_MAX_MEMBERSHIPS",
+        "Most (block, location) memberships one index holds (~40-64 bytes each); beyond it the index "
+        "forgets blocks (policy `sweep`) and counts them.", 16_000_000, ge=1, le=1 << 34,
+    )
+    index_checkpoint_interval_s: float = _env(
+        "NEXUSKV_INDEX_CHECKPOINT_INTERVAL",
+        "Seconds between the index worker's per-partition checkpoints (under NEXUSKV_DATA_DIR/index); "
+        "a restart replays at most this much of the event log.", 30.0, gt=0, le=86400,
+    )
+    index_api_host: str = _env("NEXUSKV_INDEX_API_HOST", "Address the index lookup HTTP endpoint listens on.",
+                               "127.0.0.1", min_length=1)
+    index_api_port: int = _env("NEXUSKV_INDEX_API_PORT", "Port of the index lookup HTTP endpoint.", 8470,
+                               ge=1, le=65535)
+    index_api_tokens: str = _env(
+        "NEXUSKV_INDEX_API_TOKENS",
+        "Bearer tokens of the index lookup endpoint and the tenant each one may see: "
+        "`token=tenant[,token=tenant...]`, tokens of at least 16 characters. Empty: the endpoint answers "
+        "401 to everyone.", "",
+    )
 
     @field_validator("broker")
     @classmethod
@@ -116,6 +149,17 @@ class Settings(BaseModel):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown logging level {value!r}")
         return level
+
+    @field_validator("index_api_tokens")
+    @classmethod
+    def _tokens(cls, value: str) -> str:
+        parse_api_tokens(value)
+        return value.strip()
+
+    @property
+    def api_tokens(self) -> dict[str, str]:
+        """Bearer token -> tenant namespace."""
+        return parse_api_tokens(self.index_api_tokens)
 
     @property
     def broker_url(self) -> BrokerUrl | None:
@@ -144,7 +188,7 @@ class Settings(BaseModel):
             field = str(err["loc"][0]) if err.get("loc") else "settings"
             info = cls.model_fields.get(field)
             name = _env_name(info) if info is not None else field
-            raise ConfigError(name, _short(err)) from None
+            raise ConfigError(name, _short(err, secret=field in _SECRETS)) from None
 
 
 def _env_name(info: Any) -> str:
@@ -152,11 +196,14 @@ def _env_name(info: Any) -> str:
     return str(extra["env"])
 
 
-def _short(err: Mapping[str, Any]) -> str:
+_SECRETS = frozenset({"identity_secret", "index_api_tokens"})  # never echoed in an error
+
+
+def _short(err: Mapping[str, Any], *, secret: bool = False) -> str:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    got = err.get("input")
+    got = None if secret else err.get("input")
     return f"{msg} (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else msg
 
 

@@ -156,8 +156,9 @@ def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
             print(f"| `{var}` | {default} | {doc} |")
     else:
         shown = settings.model_dump(mode="json")
-        if shown.get("identity_secret"):
-            shown["identity_secret"] = "***"
+        for secret in ("identity_secret", "index_api_tokens"):
+            if shown.get(secret):
+                shown[secret] = "***"
         print(json.dumps(shown, indent=2))
     return 0
 

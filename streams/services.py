@@ -30,7 +30,12 @@ class Service:
 
 
 #: Registered stream workers, in start order. Later components add themselves here.
-SERVICES: tuple[Service, ...] = ()
+SERVICES: tuple[Service, ...] = (
+    Service("index-worker", "streams.index_worker",
+            "applies nexuskv.kv-events to the global index, dead-letters bad records, checkpoints per partition"),
+    Service("index-api", "streams.index_api",
+            "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
+)
 
 
 @contextlib.contextmanager
