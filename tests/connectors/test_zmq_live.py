@@ -15,6 +15,9 @@ from connectors.bridge import BridgeConfig, EventBridge
 from connectors.zmq_events import KvEventSubscriber
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch
 from nexuskv.contracts.topics import KV_EVENTS
+from nexuskv.descriptor import Tier
+from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.index import GlobalIndex
 from streams.bus import decode_record, make_consumer, make_producer
 from streams.process import free_port
 from streams.topics import ensure_topics
@@ -134,3 +137,19 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path, 
     # The publisher's truth: engine A ended with {2, 3, 4, 6}; after the restart only B's {7} exists.
     assert state[(incarnations[0], "gpu")] == {2, 3, 4, 6}
     assert state[(incarnations[1], "gpu")] == {7}
+
+    # The global index fed with the same records equals the restarted engine's truth: its one
+    # block, certain; engine A's facts were dropped by the new incarnation's clear.
+    index = GlobalIndex()
+    for batch in mine:
+        index.apply(batch)
+    identity = publisher_identity()
+    scope = IdentityScope(tenant_namespace=identity.tenant_namespace, model=identity.model,
+                          model_revision=identity.model_revision, tokenizer_revision=identity.tokenizer_revision,
+                          descriptor_id=identity.descriptor_id)
+    truth = {(scope, k) for k in BlockKeyer(scope, BLOCK).keys(list(range(200, 204)))}
+    publisher = mine[0].publisher
+    assert index.facts() == {(publisher, Tier.GPU, 0): truth}
+    assert index.publisher_status(publisher).certain
+    hit = index.lookup(scope, BlockKeyer(scope, BLOCK).keys(list(range(200, 208))))
+    assert [(m.location.worker, m.prefix_blocks, m.certain) for m in hit.matches] == [(publisher, 1, True)]
