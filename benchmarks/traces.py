@@ -41,9 +41,21 @@ from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, KvEvent, KvEv
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
 
-__all__ = ["TraceRequest", "load_trace", "TraceReplay", "CONVERSATION_TRACE", "HASH_BLOCK_TOKENS", "BLOCK_TOKENS"]
+__all__ = ["TraceRequest", "load_trace", "TraceReplay", "CONVERSATION_TRACE", "CONVERSATION_SLICE", "SYNTHETIC_TRACE",
+           "HASH_BLOCK_TOKENS", "BLOCK_TOKENS"]
 
-CONVERSATION_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+_SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+_SLICES = Path(__file__).resolve().parent / "data"
+#: The full conversation trace when the workspace has it, else the 1,000-request slice kept in
+#: ``benchmarks/data`` (a clean checkout has no ``../shared``).
+CONVERSATION_TRACE = (_SHARED_TRACES / "conversation_trace.jsonl"
+                      if (_SHARED_TRACES / "conversation_trace.jsonl").is_file()
+                      else _SLICES / "conversation_trace_head1000.jsonl")
+#: The first 1,000 requests of the conversation trace, always available (tests use this).
+CONVERSATION_SLICE = _SLICES / "conversation_trace_head1000.jsonl"
+SYNTHETIC_TRACE = (_SHARED_TRACES / "synthetic_trace.jsonl"
+                   if (_SHARED_TRACES / "synthetic_trace.jsonl").is_file()
+                   else _SLICES / "synthetic_trace_head400.jsonl")
 HASH_BLOCK_TOKENS = 512
 BLOCK_TOKENS = 16
 PER_HASH = HASH_BLOCK_TOKENS // BLOCK_TOKENS

@@ -130,6 +130,47 @@ class Settings(BaseModel):
         "`token=tenant[,token=tenant...]`, tokens of at least 16 characters. Empty: the endpoint answers "
         "401 to everyone.", "",
     )
+    worker: str = _env(
+        "NEXUSKV_WORKER",
+        "Worker id of this process's data plane: the transfer executor serves commands whose destination "
+        "is this worker.",
+        "worker-0",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^\x00-\x1f/]+$",
+    )
+    tier_device_bytes: int = _env(
+        "NEXUSKV_TIER_DEVICE_BYTES",
+        "Capacity of the device-memory tier in bytes (CUDA memory, or its host-memory stand-in without CUDA).",
+        256 << 20,
+        ge=0,
+    )
+    tier_host_bytes: int = _env(
+        "NEXUSKV_TIER_HOST_BYTES", "Capacity of the host-DRAM tier in bytes (pinned when CUDA is present).",
+        1 << 30, ge=0,
+    )
+    tier_disk_bytes: int = _env(
+        "NEXUSKV_TIER_DISK_BYTES",
+        "Capacity of the local-disk tier in bytes; its files live in `NEXUSKV_DATA_DIR/tiers/<worker>/disk`.",
+        4 << 30,
+        ge=0,
+    )
+    remote_tier: str | None = _env(
+        "NEXUSKV_REMOTE_TIER",
+        "Address `tcp://host:port` of the remote tier server (payloads in another process). `nexuskv up` "
+        "starts one on a free loopback port when unset; other processes without it have no remote tier.",
+        None,
+    )
+    remote_tier_bytes: int = _env(
+        "NEXUSKV_REMOTE_TIER_BYTES", "Capacity in bytes of a remote tier server this process starts.",
+        1 << 30, ge=0,
+    )
+    transfer_lanes: int = _env(
+        "NEXUSKV_TRANSFER_LANES", "Threads that copy the blocks of one transfer concurrently.", 2, ge=1, le=64,
+    )
+    transfer_jobs: int = _env(
+        "NEXUSKV_TRANSFER_JOBS", "Transfers the executor runs at once (earliest deadline first).", 2, ge=1, le=64,
+    )
 
     @field_validator("broker")
     @classmethod
@@ -141,6 +182,17 @@ class Settings(BaseModel):
         except ConfigError as exc:
             raise ValueError(exc.message) from None
         return value.strip()
+
+    @field_validator("remote_tier")
+    @classmethod
+    def _remote(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        text = value.strip()
+        host, sep, port = text[len("tcp://"):].rpartition(":") if text.startswith("tcp://") else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"invalid remote tier address {value!r}: expected tcp://host:port")
+        return text
 
     @field_validator("log_level")
     @classmethod

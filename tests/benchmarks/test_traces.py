@@ -1,12 +1,12 @@
 """The Mooncake trace replay: its events rebuild exactly the simulated workers' caches."""
 
-from benchmarks.traces import BLOCK_TOKENS, CONVERSATION_TRACE, TraceReplay, load_trace
+from benchmarks.traces import BLOCK_TOKENS, CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.descriptor import Tier
 from nexuskv.index import GlobalIndex
 
 
 def test_replayed_events_rebuild_the_simulated_caches_exactly():
-    requests = load_trace(CONVERSATION_TRACE, limit=120)
+    requests = load_trace(CONVERSATION_SLICE, limit=120)
     replay = TraceReplay(requests, workers=8, gpu_blocks=2048, host_blocks=3072)
     index = GlobalIndex(secret=b"t")
     batches = list(replay.batches())

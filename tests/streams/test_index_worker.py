@@ -21,7 +21,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from benchmarks.traces import TraceReplay, load_trace
+from benchmarks.traces import CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.contracts import codec
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.kv_events import KvEventBatch
@@ -40,7 +40,7 @@ SECRET = "replay-secret"
 
 
 def _replay(limit: int = 160) -> tuple[TraceReplay, list[KvEventBatch]]:
-    replay = TraceReplay(load_trace(limit=limit), workers=8, gpu_blocks=2048, host_blocks=3072)
+    replay = TraceReplay(load_trace(CONVERSATION_SLICE, limit=limit), workers=8, gpu_blocks=2048, host_blocks=3072)
     return replay, list(replay.batches())
 
 
