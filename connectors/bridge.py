@@ -39,12 +39,13 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 
+from connectors.descriptors import publisher_identity, resolve_descriptor
 from connectors.kv_wire import Engine, EngineBatch, EngineCleared, EngineRemoved, EngineStored, decode_engine_batch
 from connectors.zmq_events import KvEventSubscriber, RawBatch
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.contracts.topics import KV_EVENTS
-from nexuskv.descriptor import StateDescriptor, Tier
+from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError, NexusKVError
 
 __all__ = [
@@ -217,16 +218,9 @@ class EventBridge:
 
 
 def _identity(args: argparse.Namespace) -> PublisherIdentity:
-    if args.descriptor:
-        desc = StateDescriptor.model_validate_json(Path(args.descriptor).read_text())
-    else:
-        from nexuskv.models import known_model
-
-        desc = known_model(args.model, block_size=args.block_size, tenant_namespace=args.tenant,
-                           engine_family=args.engine)
-    return PublisherIdentity(tenant_namespace=args.tenant, model=desc.model, model_revision=desc.model_revision,
-                             tokenizer_revision=desc.tokenizer_revision, descriptor_id=desc.descriptor_id,
-                             engine_family=desc.engine_family)
+    return publisher_identity(resolve_descriptor(model=args.model, descriptor_path=args.descriptor,
+                                                 tenant=args.tenant, block_size=args.block_size,
+                                                 engine_family=args.engine))
 
 
 def _mediums(pairs: list[str]) -> dict[str, Tier]:
