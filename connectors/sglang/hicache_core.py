@@ -131,6 +131,10 @@ class HiCacheCore:
 
     # -- naming -------------------------------------------------------------------------------------
 
+    def use_layout(self, dtype: torch.dtype, shape: Sequence[int]) -> None:
+        """The dtype and shape of a page (SGLang's host pool), for ``get`` without a target."""
+        self._layout = (dtype, tuple(shape))
+
     def canonical(self, key: str) -> int:
         return self._keyer.keys(page_words(key))[0]
 
