@@ -52,7 +52,7 @@ from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import CostModel
 from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
-from nexuskv.dataplane.payload import PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import DataPlaneError, TierFullError
@@ -222,10 +222,7 @@ class HiCacheCore:
             return self._stale(key, canonical, holder, "the payload is gone")
         buf = torch.empty(header.nbytes, dtype=torch.uint8)
         try:
-            stored = backend.read_into(pk, buf)
-            if stored is None:
-                return self._stale(key, canonical, holder, "the payload is gone")
-            verify_payload(pk, stored, host_view(buf))
+            backend.read_verified(pk, buf)
         except (DataPlaneError, ValueError) as exc:
             return self._stale(key, canonical, holder, str(exc))
         with self._lock:
@@ -248,7 +245,7 @@ class HiCacheCore:
         self.stats["misses"] += 1
         log.info("page miss where the index placed it (%s/%s): %s", holder, self.tier.value, why)
         if holder == self.worker:
-            self._forget(key, canonical, delete=True)
+            self._forget(key, canonical)
         return None
 
     # -- set --------------------------------------------------------------------------------------
@@ -300,7 +297,7 @@ class HiCacheCore:
                 header = self._header(canonical)
                 free += header.nbytes if header is not None else 0
         for canonical, key in victims:
-            self._forget(key, canonical, delete=True)
+            self._forget(key, canonical)
             self.stats["evicted"] += 1
         return free >= need and bool(victims)
 
@@ -317,32 +314,30 @@ class HiCacheCore:
         with self._lock:
             if canonical not in self._own:
                 return False
-        self._forget(key, canonical, delete=True)
+        self._forget(key, canonical)
         return True
 
-    def _forget(self, key: str, canonical: int, *, delete: bool) -> None:
+    def _forget(self, key: str, canonical: int) -> None:
+        """Delete one of this backend's pages, payload and fact."""
         with self._lock:
             self._own.pop(canonical, None)
-        if delete:
-            pk = self._payload_key(canonical)
-            for backend in self.catalog.reachable(EntryLocation(worker=self.worker, tier=self.tier)):
-                try:
-                    backend.delete(pk)
-                except DataPlaneError:
-                    continue
+        self._delete_payload(canonical)
         self._emit([BlockRemoved(engine_hashes=(page_event_hash(key),), tier=self.tier)])
+
+    def _delete_payload(self, canonical: int) -> None:
+        pk = self._payload_key(canonical)
+        for backend in self.catalog.reachable(EntryLocation(worker=self.worker, tier=self.tier)):
+            try:
+                backend.delete(pk)
+            except DataPlaneError:
+                continue
 
     def clear(self) -> None:
         """Drop every page this backend stored, and its facts."""
         with self._lock:
-            own, self._own = list(self._own.items()), OrderedDict()
-        for canonical, _key in own:
-            pk = self._payload_key(canonical)
-            for backend in self.catalog.reachable(EntryLocation(worker=self.worker, tier=self.tier)):
-                try:
-                    backend.delete(pk)
-                except DataPlaneError:
-                    continue
+            own, self._own = list(self._own), OrderedDict()
+        for canonical in own:
+            self._delete_payload(canonical)
         self._emit([AllCleared(tier=self.tier)])
 
     def pages(self) -> int:

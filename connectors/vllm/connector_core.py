@@ -54,7 +54,7 @@ from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import CostModel
 from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
-from nexuskv.dataplane.payload import PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
 from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ConfigError, DataPlaneError, TierUnavailableError
@@ -456,10 +456,7 @@ class WorkerSide:
         for i, (key, block_id) in enumerate(zip(spec.keys, spec.block_ids)):
             pk = PayloadKey(did, key, self._group)
             try:
-                header = backend.read_into(pk, buf)
-                if header is None:
-                    raise DataPlaneError(f"{pk} is no longer held by {backend.label}")
-                verify_payload(pk, header, host_view(buf))
+                backend.read_verified(pk, buf)
             except (DataPlaneError, ValueError) as exc:
                 return _Outcome(spec.request_id, i, spec.block_ids[i:], f"block {spec.first_block + i}: {exc}")
             self._scatter(block_id, buf)

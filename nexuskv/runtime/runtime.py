@@ -43,9 +43,9 @@ from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane.backend import TierBackend, host_view
 from nexuskv.dataplane.guard import DescriptorRegistry, loadable
-from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
-from nexuskv.errors import DataPlaneError, IdentityError, IntegrityError
+from nexuskv.errors import DataPlaneError, IdentityError
 from nexuskv.identity import BlockKey, BlockKeyer, IdentityScope
 from nexuskv.runtime.descriptors import ENGINE_FAMILY, descriptor_for
 from nexuskv.runtime.engine_hash import engine_hashes
@@ -451,10 +451,7 @@ class ReferenceRuntime:
             return "no free page"
         dest = pool.bytes_of(got)
         try:
-            header = source.read_into(pk, dest)
-            if header is None:
-                raise IntegrityError(f"{pk} is no longer held by {source.label}")
-            verify_payload(pk, header, host_view(dest))
+            header = source.read_verified(pk, dest)
         except (DataPlaneError, ValueError) as exc:
             pool.release(key)
             self._forget(key)
