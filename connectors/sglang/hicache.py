@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.descriptors import resolve_descriptor
+from connectors.lazy import lazy_attribute
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError
 
@@ -127,14 +128,6 @@ def build_core(config: HiCacheConfig, settings: Any, *, layout: Any = None) -> t
     return core, bus
 
 
-def __getattr__(name: str) -> Any:
-    if name == "NexusKVHiCacheStorage":
-        cls = _build_storage_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _build_storage_class() -> type:
     try:
         storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
@@ -196,3 +189,6 @@ def _build_storage_class() -> type:
 
     NexusKVHiCacheStorage.__module__ = __name__
     return NexusKVHiCacheStorage
+
+
+__getattr__ = lazy_attribute(globals(), "NexusKVHiCacheStorage", _build_storage_class)

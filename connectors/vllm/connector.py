@@ -10,7 +10,8 @@ Load it into vLLM with::
                              "kv_role":"kv_both","kv_load_failure_policy":"recompute",
                              "kv_connector_extra_config":{"tenant":"acme","save_tier":"disk"}}'
 
-with ``NEXUSKV_BROKER`` naming the deployment's bus (and ``NEXUSKV_REMOTE_TIER`` its remote tier,
+(``kv_load_failure_policy`` where the vLLM version has it: with the default ``fail`` a failed load
+aborts the request instead of recomputing it), with ``NEXUSKV_BROKER`` naming the deployment's bus (and ``NEXUSKV_REMOTE_TIER`` its remote tier,
 ``NEXUSKV_DATA_DIR`` where the disk tier lives) in vLLM's environment, and the event bridge
 (``python -m connectors.bridge --engine vllm --endpoint tcp://10.0.0.5:5557 --replay-endpoint
 tcp://10.0.0.5:5558 --model meta-llama/Llama-3.1-8B --tenant acme``) forwarding the engine's KV
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.descriptors import resolve_descriptor
+from connectors.lazy import lazy_attribute
 from connectors.vllm.hashing import VllmBlockHasher
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
@@ -145,14 +147,6 @@ def vllm_engine_hasher(config: ConnectorConfig):
 
 
 # -- the vLLM shell, built on first access -----------------------------------------------------------
-
-def __getattr__(name: str) -> Any:
-    if name == "NexusKVConnector":
-        cls = _build_connector_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def _build_connector_class() -> type:
     try:
@@ -343,3 +337,6 @@ def _block_dims(kv_caches: Mapping[str, Any], num_blocks: int | None) -> dict[st
         leading_blocks = num_blocks is not None and shape[0] == num_blocks
         dims[name] = 1 if not leading_blocks and len(shape) >= 2 and shape[0] == 2 else 0
     return dims
+
+
+__getattr__ = lazy_attribute(globals(), "NexusKVConnector", _build_connector_class)
