@@ -48,7 +48,6 @@ from connectors.descriptors import resolve_descriptor
 from connectors.router import POLICY_NAMES, RouteHints, Router, RoutingOutcome
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
-from nexuskv.contracts.placement import PlacementHint
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.contracts.topics import PLACEMENT
 from nexuskv.descriptor import StateDescriptor
@@ -70,7 +69,8 @@ class PlacementFollower:
 
     Hints issued before the router started concern requests it was never asked about, so it
     does not read the topic's history. A record that does not decode is counted and skipped
-    (the topic's producers dead-letter their own inputs; this is a reader).
+    (the topic's producers dead-letter their own inputs; this is a reader). :meth:`run` until
+    cancelled, then :meth:`stop`.
     """
 
     def __init__(self, url: BrokerUrl, hints: RouteHints, *, client_id: str = "nexuskv-router-placement") -> None:
@@ -79,7 +79,6 @@ class PlacementFollower:
         self.client_id = client_id
         self.malformed = 0
         self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self, timeout_s: float = 30.0) -> None:
         consumer = make_consumer(self.url, PLACEMENT, client_id=self.client_id, fetch_max_wait_ms=20)
@@ -89,18 +88,18 @@ class PlacementFollower:
         deadline = loop.time() + timeout_s
         while not consumer.assignment():
             if loop.time() > deadline:
-                await consumer.stop()
+                await self.stop()
                 raise NexusKVError(f"{PLACEMENT.name}: no partitions assigned within {timeout_s:.0f}s")
             await asyncio.sleep(0.02)
         tps = sorted(consumer.assignment())
         ends = await consumer.end_offsets(tps)
         for tp in tps:
             consumer.seek(tp, ends[tp])
-        self._task = asyncio.create_task(self._run(), name="router-placement")
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
         consumer = self._consumer
-        assert consumer is not None
+        if consumer is None:
+            raise NexusKVError("PlacementFollower.run: start() first")
         while True:
             got = await consumer.getmany(timeout_ms=200, max_records=1000)
             for records in got.values():
@@ -113,11 +112,6 @@ class PlacementFollower:
                     self.hints.offer(hint)  # type: ignore[arg-type]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -201,7 +195,7 @@ class RouterService:
         self.workers = list(workers)
         self._producer = make_producer(url, client_id="nexuskv-router")  # the cost-model reader's dead letters
         self._runner: web.AppRunner | None = None
-        self._cost_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def execution(self) -> ExecutionPolicy:
         return self.policy_file.current if self.policy_file else self._execution
@@ -211,7 +205,8 @@ class RouterService:
         await self.replica.start(timeout_s=timeout_s)
         await self.costs.start(timeout_s=timeout_s)
         await self.follower.start(timeout_s=timeout_s)
-        self._cost_task = asyncio.create_task(self.costs.run(self._producer), name="router-cost-models")
+        self._tasks = [asyncio.create_task(self.costs.run(self._producer), name="router-cost-models"),
+                       asyncio.create_task(self.follower.run(), name="router-placement")]
         self._runner = web.AppRunner(make_router_app(self.router, workers=self.workers,
                                                      lag=lambda: self.replica.lag()[0]))
         await self._runner.setup()
@@ -225,10 +220,10 @@ class RouterService:
             log.error("policy edit refused, the last valid policy stays in force:\n%s", outcome.error.describe())
 
     async def stop(self) -> None:
-        if self._cost_task is not None:
-            self._cost_task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._cost_task
+                await task
         if self._runner is not None:
             await self._runner.cleanup()
         await self.follower.stop()

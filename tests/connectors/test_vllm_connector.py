@@ -85,6 +85,19 @@ def world(tmp_path):
         w.close()
 
 
+def _saved_then_cleared(world, name: str = "gqa", **kw) -> ReferenceEngine:
+    """An engine that served PROMPT once (its blocks saved to its disk), then lost its GPU cache."""
+    engine = world(name, **kw).engine("w-a")
+    engine.serve("r1", PROMPT)
+    engine.runtime.reset()
+    return engine
+
+
+def _disk_payload(engine: ReferenceEngine, block: int) -> tuple[DiskBackend, PayloadKey]:
+    return engine.worker.catalog.backends[0], PayloadKey(engine.runtime.descriptor.descriptor_id,
+                                                         engine.runtime.block_keys(PROMPT)[block])
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_saved_blocks_load_from_disk_and_prefill_equals_recompute(world, name):
     w = world(name)
@@ -127,12 +140,8 @@ def test_another_worker_loads_through_the_shared_remote_tier(world, remote_tier_
 
 
 def test_a_corrupt_payload_is_a_load_error_and_recomputes_from_there(world):
-    w = world("gqa")
-    engine = w.engine("w-a")
-    engine.serve("r1", PROMPT)
-    engine.runtime.reset()
-    disk = engine.worker.catalog.backends[0]
-    victim = PayloadKey(engine.runtime.descriptor.descriptor_id, engine.runtime.block_keys(PROMPT)[3])
+    engine = _saved_then_cleared(world)
+    disk, victim = _disk_payload(engine, 3)
     path = disk.path(victim)
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
@@ -146,22 +155,16 @@ def test_a_corrupt_payload_is_a_load_error_and_recomputes_from_there(world):
 
 
 def test_a_vanished_payload_is_a_load_error(world):
-    w = world("gqa")
-    engine = w.engine("w-a")
-    engine.serve("r1", PROMPT)
-    engine.runtime.reset()
-    disk = engine.worker.catalog.backends[0]
-    assert disk.delete(PayloadKey(engine.runtime.descriptor.descriptor_id, engine.runtime.block_keys(PROMPT)[0]))
+    engine = _saved_then_cleared(world)
+    disk, victim = _disk_payload(engine, 0)
+    assert disk.delete(victim)
     served = engine.serve("r2", PROMPT)  # the index still says the disk holds it
     assert served.matched_tokens == 24 and served.loaded_tokens == 0 and served.failed_blocks == 6
     assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
 
 
 def test_no_tokens_when_moving_is_slower_than_recomputing(world):
-    w = world("gqa")
-    engine = w.engine("w-a")
-    engine.serve("r1", PROMPT)
-    engine.runtime.reset()
+    engine = _saved_then_cleared(world)
     slow = slow_links(engine.runtime.descriptor)
     engine.scheduler.model = lambda: slow
     served = engine.serve("r2", PROMPT)
@@ -170,10 +173,7 @@ def test_no_tokens_when_moving_is_slower_than_recomputing(world):
 
 
 def test_async_loads_are_reported_by_get_finished(world):
-    w = world("mla", load_async=True)
-    engine = w.engine("w-a")
-    engine.serve("r1", PROMPT)
-    engine.runtime.reset()
+    engine = _saved_then_cleared(world, "mla", load_async=True)
     served = engine.serve("r2", PROMPT)
     assert served.load_async and served.matched_tokens == 24 and served.loaded_tokens == 24
     assert (served.result.logits - _reference_logits("mla")).abs().max().item() <= TOL
@@ -210,10 +210,7 @@ def test_undecided_while_the_index_lags_then_no_movement_on_old_facts(world):
 
 
 def test_an_allocation_that_does_not_match_the_decision_fails_its_blocks(world):
-    w = world("gqa")
-    engine = w.engine("w-a")
-    engine.serve("r1", PROMPT)
-    engine.runtime.reset()
+    engine = _saved_then_cleared(world)
     sched, worker = engine.scheduler, engine.worker
     assert sched.num_new_matched_tokens("r2", PROMPT, 0)[0] == 24
     sched.update_state_after_alloc("r2", [10, 11, 12, 13, 14], 20)  # not what was decided
