@@ -70,7 +70,7 @@ from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError, IdentityError
 
-__all__ = ["ConnectorConfig", "vllm_engine_hasher", "NexusKVConnector"]
+__all__ = ["ConnectorConfig", "vllm_engine_hasher", "scheduler_side", "worker_side", "NexusKVConnector"]
 
 log = logging.getLogger("nexuskv.vllm")
 
@@ -177,9 +177,9 @@ def _build_connector_class() -> type:
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._scheduler = self._worker = self._bus = None
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler, self._bus = _scheduler_side(self._config)
+                self._scheduler, self._bus = scheduler_side(self._config)
             else:
-                self._worker = _worker_side(self._config)
+                self._worker = worker_side(self._config)
 
         # scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -275,7 +275,14 @@ def _disk_root(config: ConnectorConfig, settings: Any) -> Path:
     return Path(settings.data_dir) / "tiers" / config.worker / "disk"
 
 
-def _scheduler_side(config: ConnectorConfig) -> tuple[Any, Any]:
+def scheduler_side(config: ConnectorConfig, *, settings: Any = None, base_model: Any = None,
+                   engine_hashes: Any = None) -> tuple[Any, Any]:
+    """What the shell builds in vLLM's scheduler: the scheduler side on a started background bus.
+
+    ``settings`` default to the environment's; ``base_model`` is the cost model before the
+    calibration topic says otherwise (the shipped one by default); ``engine_hashes`` is vLLM's
+    block hash (an engine playing vLLM passes its own). Stop the bus when done.
+    """
     from connectors.bus_thread import BackgroundBus
     from connectors.vllm.connector_core import Readable, SchedulerSide
     from nexuskv.config import Settings
@@ -283,13 +290,13 @@ def _scheduler_side(config: ConnectorConfig) -> tuple[Any, Any]:
     from nexuskv.dataplane.remote import RemoteBackend
     from nexuskv.policy import ExecutionPolicy, PolicyFile
 
-    settings = Settings.from_env()
+    settings = settings or Settings.from_env()
     if settings.broker_url is None:
         raise ConfigError("NEXUSKV_BROKER", "the NexusKV connector needs the deployment's bus")
     bus = BackgroundBus(settings.broker_url, client_id=f"nexuskv-vllm-{config.worker}",
                         secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
-                        checkpoint_dir=settings.data_dir / "index" / "nexuskv-index").start(
-                            settings.broker_start_timeout_s)
+                        checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
+                        base_model=base_model).start(settings.broker_start_timeout_s)
     policy = PolicyFile(settings.policy_file).current if settings.policy_file else ExecutionPolicy(version="builtin")
     disk_root = _disk_root(config, settings)
     remote = RemoteBackend(settings.remote_tier) if settings.remote_tier else None
@@ -305,20 +312,21 @@ def _scheduler_side(config: ConnectorConfig) -> tuple[Any, Any]:
     shared = frozenset({Tier.REMOTE}) if settings.remote_tier else frozenset()
     side = SchedulerSide(config.descriptor, worker=config.worker, index=bus, model=lambda: bus.model,
                          execution=lambda: policy, readable=Readable(config.worker, frozenset({Tier.DISK}), shared),
-                         engine_hashes=vllm_engine_hasher(config), probe=probe, save_tier=config.save_tier,
+                         engine_hashes=engine_hashes or vllm_engine_hasher(config), probe=probe, save_tier=config.save_tier,
                          profile=config.profile, load_async=config.load_async, decide_wait_s=config.decide_wait_s,
                          secret=settings.identity_secret_bytes)
     return side, bus
 
 
-def _worker_side(config: ConnectorConfig) -> Any:
+def worker_side(config: ConnectorConfig, *, settings: Any = None) -> Any:
+    """What the shell builds in each vLLM worker: the worker side over this worker's disk (and remote) tier."""
     from connectors.vllm.connector_core import WorkerSide
     from nexuskv.config import Settings
     from nexuskv.dataplane.catalog import BackendCatalog
     from nexuskv.dataplane.disk import DiskBackend
     from nexuskv.dataplane.remote import RemoteBackend
 
-    settings = Settings.from_env()
+    settings = settings or Settings.from_env()
     backends: list[Any] = [DiskBackend(_disk_root(config, settings), settings.tier_disk_bytes)]
     if settings.remote_tier:
         backends.append(RemoteBackend(settings.remote_tier))

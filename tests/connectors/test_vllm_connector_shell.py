@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -114,3 +115,48 @@ def test_only_blocks_the_tier_holds_are_announced():
     (event,) = sched.take_events()
     assert event.engine_hashes == (BLOCK_1_16,)
     assert sched.stats["saves_announced"] == 1 and sched.stats["saves_missing"] == 1
+
+
+@pytest.mark.broker
+def test_the_shells_wiring_serves_saved_blocks_over_the_bus(kafka_url, tmp_path):
+    """The scheduler and worker sides as the shell builds them (background bus, disk tier, file
+    probe), with the reference runtime playing vLLM and publishing to the real Kafka."""
+    import asyncio
+
+    import torch
+
+    from connectors.vllm.connector import scheduler_side, worker_side
+    from connectors.vllm.reference_engine import ReferenceEngine
+    from nexuskv.config import Settings
+    from nexuskv.contracts.kv_events import KvEventBatch
+    from nexuskv.runtime import ModelSpec, ReferenceRuntime, engine_hashes
+    from streams.topics import ensure_topics
+    from tests.connectors.reference import PROFILE
+
+    asyncio.run(ensure_topics(kafka_url, partitions=8))
+    tenant = f"vllm-shell-{uuid.uuid4().hex[:8]}"
+    spec = ModelSpec.gqa()
+    probe_rt = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell")
+    path = tmp_path / "descriptor.json"
+    path.write_text(probe_rt.descriptor.model_dump_json())
+    cfg = ConnectorConfig.parse({"descriptor": str(path), "tenant": tenant, "worker": probe_rt.publisher_id,
+                                 "profile": PROFILE}, model="n/a", block_size=spec.block_size)
+    settings = Settings.from_env({"NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path)})
+    sched, bus = scheduler_side(cfg, settings=settings, base_model=cost_model(cfg.descriptor),
+                                engine_hashes=lambda toks: engine_hashes(toks, spec.block_size))
+    worker = worker_side(cfg, settings=settings)
+    try:
+        runtime = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
+                                   publisher=lambda r: bus.publish(r) if isinstance(r, KvEventBatch) else None)
+        engine = ReferenceEngine(runtime, sched, worker)
+        prompt = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(9)).tolist()
+        assert engine.serve("r1", prompt).saved_requests == 1
+        runtime.reset()
+        bus.wait_caught_up()
+        served = engine.serve("r2", prompt)
+        assert served.matched_tokens == 24 and served.loaded_tokens == 24
+        expected = ReferenceRuntime(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
+        assert (served.result.logits - expected).abs().max().item() <= 1e-5
+    finally:
+        worker.close()
+        bus.stop()
