@@ -14,7 +14,9 @@ alone. Only when the decision moves blocks from a readable source to this worker
 reuse is decided and the worker can make it ready — does it answer that many tokens, in whole
 blocks and never the prompt's last token; otherwise 0. It answers ``None`` ("ask again") while
 the index is lagging beyond the policy's limit, for at most ``decide_wait_s`` per request, and
-``load_async`` only with a positive count. Saving happens when a request finishes: the full
+``load_async`` only with a positive count. vLLM does not tell a connector its queue, so the
+planner sees an idle worker: loading must beat recomputing the uncached tokens outright, and
+no prefetch is hidden behind a queue. Saving happens when a request finishes: the full
 blocks the save tier does not hold yet are handed to the worker with the blocks kept
 allocated (``request_finished`` returns True) until the worker reports them written; then the
 blocks the tier really holds — checked, not assumed — are announced as tier events through
@@ -60,7 +62,7 @@ from nexuskv.entries import EntryLocation
 from nexuskv.errors import ConfigError, DataPlaneError, TierUnavailableError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LocationMatch, LookupResult
-from nexuskv.planner import PlanQuery, plan
+from nexuskv.planner import Plan, PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
 
 __all__ = ["LoadSpec", "SaveSpec", "ConnectorMeta", "TierStored", "Readable", "SchedulerSide", "WorkerSide",
@@ -161,6 +163,7 @@ class _Planned:
     start: int = 0
     end: int = 0
     reason: str = ""
+    plan: Plan | None = None  # the decision behind a positive answer (its record is built on demand)
 
 
 class SchedulerSide:
@@ -208,7 +211,7 @@ class SchedulerSide:
         st = self._requests.get(request_id)
         if st is None:
             st = self._requests[request_id] = _Planned(tuple(self._keyer.keys(token_ids)), now)
-        st.source, st.start, st.end = None, 0, 0
+        st.source, st.start, st.end, st.plan = None, 0, 0, None
         local = num_computed_tokens // bs
         limit = (len(token_ids) - 1) // bs  # the last token is always computed: its logits are the output
         if local >= limit or not st.keys:
@@ -234,7 +237,7 @@ class SchedulerSide:
             st.reason = f"planner moves blocks [{start}, {end}) but the engine holds {local}"
             return 0, False
         st.source = EntryLocation(worker=src.worker, tier=src.tier, group=self._group)
-        st.start, st.end, st.reason = start, end, p.decision.reason
+        st.start, st.end, st.plan = start, end, p
         tokens = (end - start) * bs
         self.stats["matched_tokens"] += tokens
         return tokens, self.load_async
@@ -253,7 +256,9 @@ class SchedulerSide:
     def decision_reason(self, request_id: str) -> str | None:
         """Why the last answer for this request was what it was (formula and numbers; no tokens)."""
         st = self._requests.get(request_id)
-        return st.reason if st is not None else None
+        if st is None:
+            return None
+        return st.plan.decision.reason if st.plan is not None else st.reason
 
     # -- allocation, metadata -------------------------------------------------------------------
 

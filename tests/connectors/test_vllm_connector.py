@@ -206,6 +206,7 @@ def test_undecided_while_the_index_lags_then_no_movement_on_old_facts(world):
     sched.index = w.feed.index
     assert sched.num_new_matched_tokens("r2", PROMPT, 0) == (24, False)
     assert sched.num_new_matched_tokens("r2", PROMPT, 0) == (24, False)
+    assert sched.decision_reason("r2").startswith("transfer on nexuskv-reference/w-a from nexuskv-reference/w-a/disk")
     assert sched.build_meta() == ConnectorMeta()  # asking queues nothing; only an allocation does
 
 
