@@ -211,6 +211,8 @@ class SchedulerSide:
         st = self._requests.get(request_id)
         if st is None:
             st = self._requests[request_id] = _Planned(tuple(self._keyer.keys(token_ids)), now)
+        elif len(st.keys) != len(token_ids) // bs:  # a resumed request asks with its output tokens too
+            st.keys = tuple(self._keyer.keys(token_ids))
         st.source, st.start, st.end, st.plan = None, 0, 0, None
         local = num_computed_tokens // bs
         limit = (len(token_ids) - 1) // bs  # the last token is always computed: its logits are the output

@@ -237,3 +237,10 @@ def test_registered_kv_caches_must_match_the_descriptor(tmp_path):
     with pytest.raises(ConfigError, match="bytes per block"):
         worker.register_kv_caches(caches)
     worker.close()
+
+
+def test_a_resumed_request_asks_with_its_output_tokens(world):
+    engine = _saved_then_cleared(world)
+    sched = engine.scheduler
+    assert sched.num_new_matched_tokens("r2", PROMPT[:13], 0) == (12, False)
+    assert sched.num_new_matched_tokens("r2", PROMPT, 0) == (24, False)  # keyed again, not a stale prefix
