@@ -27,7 +27,7 @@ from benchmarks.router_sim import SimConfig, compare, side_by_side
 from benchmarks.traces import CONVERSATION_TRACE, load_trace
 from connectors.router import POLICY_NAMES
 
-_COLUMNS = ("mean_ttft_s", "p99_ttft_s", "hit_rate", "local_hit_rate")
+_COLUMNS = ("mean_ttft_s", "p99_ttft_s", "mean_wait_s", "hit_rate", "local_hit_rate")
 
 
 def _windows(total: int, size: int, count: int) -> list[int]:
@@ -38,10 +38,10 @@ def _windows(total: int, size: int, count: int) -> list[int]:
 
 
 def _table(rows: dict[str, dict[str, float | int | str]]) -> str:
-    lines = [f"{'policy':<9} {'mean TTFT':>10} {'p99 TTFT':>10} {'hit rate':>9} {'local hit':>9}"]
+    lines = [f"{'policy':<9} {'mean TTFT':>10} {'p99 TTFT':>10} {'mean wait':>10} {'hit rate':>9} {'local hit':>9}"]
     for name, r in rows.items():
-        lines.append(f"{name:<9} {r['mean_ttft_s']:>9.3f}s {r['p99_ttft_s']:>9.3f}s {r['hit_rate']:>9.3f} "
-                     f"{r['local_hit_rate']:>9.3f}")
+        lines.append(f"{name:<9} {r['mean_ttft_s']:>9.3f}s {r['p99_ttft_s']:>9.3f}s {r['mean_wait_s']:>9.3f}s "
+                     f"{r['hit_rate']:>9.3f} {r['local_hit_rate']:>9.3f}")
     return "\n".join(lines)
 
 

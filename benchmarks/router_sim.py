@@ -103,6 +103,11 @@ class PolicyReport:
         return percentile(self.ttfts, 99.0)
 
     @property
+    def mean_wait_s(self) -> float:
+        """Mean wait in the routed worker's prefill queue (the part of TTFT routing controls most)."""
+        return sum(s.wait_s for s in self.served) / len(self.served) if self.served else 0.0
+
+    @property
     def hit_rate(self) -> float:
         """Prompt tokens restored instead of computed (any source), over all prompt tokens."""
         total = sum(s.prompt_tokens for s in self.served)
@@ -120,7 +125,7 @@ class PolicyReport:
 
     def summary(self) -> dict[str, float | int | str]:
         return {"policy": self.policy, "requests": len(self.served), "mean_ttft_s": self.mean_ttft_s,
-                "p99_ttft_s": self.p99_ttft_s, "hit_rate": self.hit_rate, "local_hit_rate": self.local_hit_rate,
+                "p99_ttft_s": self.p99_ttft_s, "mean_wait_s": self.mean_wait_s, "hit_rate": self.hit_rate, "local_hit_rate": self.local_hit_rate,
                 "workers_used": self.workers_used}
 
 

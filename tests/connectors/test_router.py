@@ -114,8 +114,9 @@ def test_three_policies_side_by_side_on_a_trace_slice():
     table = side_by_side(reports)
     assert list(table) == list(POLICY_NAMES)
     for name, row in table.items():
-        assert set(row) == {"policy", "requests", "mean_ttft_s", "p99_ttft_s", "hit_rate", "local_hit_rate",
-                            "workers_used"}
+        assert set(row) == {"policy", "requests", "mean_ttft_s", "p99_ttft_s", "mean_wait_s", "hit_rate",
+                            "local_hit_rate", "workers_used"}
+        assert 0 <= row["mean_wait_s"] < row["mean_ttft_s"]
         assert row["requests"] == 80 and 0 < row["mean_ttft_s"] <= row["p99_ttft_s"]
         assert 0 <= row["local_hit_rate"] <= row["hit_rate"] <= 1
     model, policy = shipped_cost_model(), sim_execution_policy()
