@@ -97,6 +97,12 @@ class Settings(BaseModel):
         "NEXUSKV_BROKER_START_TIMEOUT", "Seconds to wait for a broker to accept connections.", 30.0, gt=0, le=600
     )
     log_level: str = _env("NEXUSKV_LOG_LEVEL", "Python logging level of NexusKV services.", "INFO")
+    decision_db: Path | None = _env(
+        "NEXUSKV_DECISION_DB",
+        "DuckDB file of the decision store (single writer: the decision sink). Unset: "
+        "`$NEXUSKV_DATA_DIR/decisions.duckdb`; readers use the `-snapshot.duckdb` copy beside it.",
+        None,
+    )
 
     @field_validator("broker")
     @classmethod

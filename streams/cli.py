@@ -8,6 +8,7 @@ Commands:
   Kafka) and print its URL until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
 * ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
+* ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots.
 * ``nexuskv config`` — print the settings table (environment variable, default, meaning).
 
 Errors print one line, ``nexuskv: error: ...``, and exit non-zero.
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     schemas = sub.add_parser("schemas", help="export the wire contracts' JSON Schemas")
     schemas.add_argument("--out", type=Path, default=Path("infra/schemas"))
     schemas.set_defaults(func=_cmd_schemas)
+
+    report = sub.add_parser("report", help="print a decision store's key tables and write its plots")
+    report.add_argument("db", type=Path, nargs="?", default=None,
+                        help="DuckDB file (default: the decision store's snapshot)")
+    report.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: beside the db)")
+    report.set_defaults(func=_cmd_report)
 
     config = sub.add_parser("config", help="print the settings table")
     config.add_argument("--markdown", action="store_true", help="as the README's markdown table")
@@ -145,6 +152,23 @@ def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
 
     for path in export_schemas(args.out):
         print(path)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    from analytics.report import report
+
+    db = args.db
+    if db is None:
+        live = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
+        db = live.with_name(live.stem + "-snapshot.duckdb")
+    if not db.is_file():
+        raise ConfigError("db", f"no decision store at {db}")
+    out = args.out or db.parent / f"{db.stem}-report"
+    tables, plots = report(db, out)
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
     return 0
 
 

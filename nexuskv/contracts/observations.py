@@ -75,5 +75,6 @@ Observation = Annotated[Union[PrefillObservation, TransferObservation, LoadObser
 class ObservationRecord(Contract):
     schema_version: Literal[1] = SCHEMA_VERSION
     observed_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
+    request_id: Text | None = None  # the request the measurement belongs to, when there is one
     trace_id: str | None = None
     observation: Observation
