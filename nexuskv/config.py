@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexuskv.errors import ConfigError
 
-__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "setting_rows"]
+__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "setting_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,19 @@ def parse_broker_url(url: str, *, field: str = "NEXUSKV_BROKER") -> BrokerUrl:
             raise ConfigError(field, f"invalid broker URL {url!r}: bad host {host!r}")
         hosts.append((host, port))
     return BrokerUrl(url=text, hosts=tuple(hosts))
+
+
+def parse_api_tokens(text: str) -> dict[str, str]:
+    """``token=tenant[,token=tenant...]`` to a mapping; a defect raises ValueError (never echoing a token)."""
+    out: dict[str, str] = {}
+    for i, part in enumerate(p for p in (text or "").split(",") if p.strip()):
+        token, sep, tenant = part.strip().partition("=")
+        if not sep or not tenant.strip():
+            raise ValueError(f"entry {i + 1} is not token=tenant")
+        if len(token) < 16:
+            raise ValueError(f"entry {i + 1}: tokens must have at least 16 characters")
+        out[token] = tenant.strip()
+    return out
 
 
 def _env(name: str, doc: str, default: Any, **kw: Any) -> Any:
@@ -112,6 +125,67 @@ class Settings(BaseModel):
         "`$NEXUSKV_DATA_DIR/decisions.duckdb`; readers use the `-snapshot.duckdb` copy beside it.",
         None,
     )
+    index_max_memberships: int = _env(
+        "NEXUSKV_INDEX_MAX_MEMBERSHIPS",
+        "Most (block, location) memberships one index holds (~40-64 bytes each); beyond it the index "
+        "forgets blocks (policy `sweep`) and counts them.", 16_000_000, ge=1, le=1 << 34,
+    )
+    index_checkpoint_interval_s: float = _env(
+        "NEXUSKV_INDEX_CHECKPOINT_INTERVAL",
+        "Seconds between the index worker's per-partition checkpoints (under NEXUSKV_DATA_DIR/index); "
+        "a restart replays at most this much of the event log.", 30.0, gt=0, le=86400,
+    )
+    index_api_host: str = _env("NEXUSKV_INDEX_API_HOST", "Address the index lookup HTTP endpoint listens on.",
+                               "127.0.0.1", min_length=1)
+    index_api_port: int = _env("NEXUSKV_INDEX_API_PORT", "Port of the index lookup HTTP endpoint.", 8470,
+                               ge=1, le=65535)
+    index_api_tokens: str = _env(
+        "NEXUSKV_INDEX_API_TOKENS",
+        "Bearer tokens of the index lookup endpoint and the tenant each one may see: "
+        "`token=tenant[,token=tenant...]`, tokens of at least 16 characters. Empty: the endpoint answers "
+        "401 to everyone.", "",
+    )
+    worker: str = _env(
+        "NEXUSKV_WORKER",
+        "Worker id of this process's data plane: the transfer executor serves commands whose destination "
+        "is this worker.",
+        "worker-0",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^\x00-\x1f/]+$",
+    )
+    tier_device_bytes: int = _env(
+        "NEXUSKV_TIER_DEVICE_BYTES",
+        "Capacity of the device-memory tier in bytes (CUDA memory, or its host-memory stand-in without CUDA).",
+        256 << 20,
+        ge=0,
+    )
+    tier_host_bytes: int = _env(
+        "NEXUSKV_TIER_HOST_BYTES", "Capacity of the host-DRAM tier in bytes (pinned when CUDA is present).",
+        1 << 30, ge=0,
+    )
+    tier_disk_bytes: int = _env(
+        "NEXUSKV_TIER_DISK_BYTES",
+        "Capacity of the local-disk tier in bytes; its files live in `NEXUSKV_DATA_DIR/tiers/<worker>/disk`.",
+        4 << 30,
+        ge=0,
+    )
+    remote_tier: str | None = _env(
+        "NEXUSKV_REMOTE_TIER",
+        "Address `tcp://host:port` of the remote tier server (payloads in another process). `nexuskv up` "
+        "starts one on a free loopback port when unset; other processes without it have no remote tier.",
+        None,
+    )
+    remote_tier_bytes: int = _env(
+        "NEXUSKV_REMOTE_TIER_BYTES", "Capacity in bytes of a remote tier server this process starts.",
+        1 << 30, ge=0,
+    )
+    transfer_lanes: int = _env(
+        "NEXUSKV_TRANSFER_LANES", "Threads that copy the blocks of one transfer concurrently.", 2, ge=1, le=64,
+    )
+    transfer_jobs: int = _env(
+        "NEXUSKV_TRANSFER_JOBS", "Transfers the executor runs at once (earliest deadline first).", 2, ge=1, le=64,
+    )
 
     @field_validator("broker")
     @classmethod
@@ -133,6 +207,17 @@ class Settings(BaseModel):
             raise ValueError(f"expected an http(s):// URL, got {value!r}")
         return value.strip()
 
+    @field_validator("remote_tier")
+    @classmethod
+    def _remote(cls, value: str | None) -> str | None:
+        if value is None or value.strip() == "":
+            return None
+        text = value.strip()
+        host, sep, port = text[len("tcp://"):].rpartition(":") if text.startswith("tcp://") else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"invalid remote tier address {value!r}: expected tcp://host:port")
+        return text
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -140,6 +225,17 @@ class Settings(BaseModel):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown logging level {value!r}")
         return level
+
+    @field_validator("index_api_tokens")
+    @classmethod
+    def _tokens(cls, value: str) -> str:
+        parse_api_tokens(value)
+        return value.strip()
+
+    @property
+    def api_tokens(self) -> dict[str, str]:
+        """Bearer token -> tenant namespace."""
+        return parse_api_tokens(self.index_api_tokens)
 
     @property
     def broker_url(self) -> BrokerUrl | None:
@@ -168,7 +264,7 @@ class Settings(BaseModel):
             field = str(err["loc"][0]) if err.get("loc") else "settings"
             info = cls.model_fields.get(field)
             name = _env_name(info) if info is not None else field
-            raise ConfigError(name, _short(err)) from None
+            raise ConfigError(name, _short(err, secret=field in _SECRETS)) from None
 
 
 def _env_name(info: Any) -> str:
@@ -176,11 +272,14 @@ def _env_name(info: Any) -> str:
     return str(extra["env"])
 
 
-def _short(err: Mapping[str, Any]) -> str:
+_SECRETS = frozenset({"identity_secret", "index_api_tokens"})  # never echoed in an error
+
+
+def _short(err: Mapping[str, Any], *, secret: bool = False) -> str:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    got = err.get("input")
+    got = None if secret else err.get("input")
     return f"{msg} (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else msg
 
 

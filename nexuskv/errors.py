@@ -8,7 +8,11 @@
     │   └── SchemaVersionError the payload's schema version is not one this build reads
     ├── IdentityError          tokens or scope cannot produce a canonical block key
     ├── IncompatibleStateError state exists but may not be reused; ``.reason`` says why
-    └── BrokerError            the event bus could not be reached, started or stopped
+    ├── BrokerError            the event bus could not be reached, started or stopped
+    └── DataPlaneError         a tier or transfer could not do what was asked
+        ├── TierFullError      the tier has no room for the payload (nothing was stored)
+        ├── IntegrityError     payload bytes or header do not match their checksum or address
+        └── TierUnavailableError a tier's backing store (remote process, folder) cannot be reached
 
 "Not found" is ``None``, never an exception and never ``-1``.
 """
@@ -23,6 +27,10 @@ __all__ = [
     "IdentityError",
     "IncompatibleStateError",
     "BrokerError",
+    "DataPlaneError",
+    "TierFullError",
+    "IntegrityError",
+    "TierUnavailableError",
 ]
 
 
@@ -70,3 +78,19 @@ class IncompatibleStateError(NexusKVError):
 
 class BrokerError(NexusKVError, RuntimeError):
     """The Kafka-protocol bus could not be reached, started or stopped."""
+
+
+class DataPlaneError(NexusKVError):
+    """A tier or a transfer could not do what was asked; the caller falls back to recompute."""
+
+
+class TierFullError(DataPlaneError):
+    """The tier lacks room for a payload. Nothing was stored: a full tier rejects, it never truncates."""
+
+
+class IntegrityError(DataPlaneError):
+    """Payload bytes or header do not match their checksum, or the header names another payload."""
+
+
+class TierUnavailableError(DataPlaneError):
+    """A tier's backing store (the remote tier process, the disk folder) cannot be reached."""

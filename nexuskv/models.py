@@ -13,6 +13,7 @@ from nexuskv.descriptor import (
     GranularityKind,
     LayerGroup,
     LayoutConvention,
+    MaterializationCapabilities,
     ParallelScope,
     SemanticType,
     StateDescriptor,
@@ -20,7 +21,22 @@ from nexuskv.descriptor import (
     TensorSpec,
 )
 
-__all__ = ["gqa_descriptor", "mla_descriptor", "KNOWN_MODELS", "known_model"]
+__all__ = ["gqa_descriptor", "mla_descriptor", "hybrid_descriptor", "KNOWN_MODELS", "known_model"]
+
+
+def _kv_group(kv_group: int, semantic_type: SemanticType, layers: tuple[int, ...], block_size: int, heads: int,
+              head_dim: int, dtype: DType) -> LayerGroup:
+    """A key/value attention group: per token, K and V of ``heads`` heads of ``head_dim``."""
+    return LayerGroup(
+        kv_group=kv_group,
+        semantic_type=semantic_type,
+        layers=layers,
+        granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
+        tensors=(
+            TensorSpec(role=TensorRole.KEY, shape=(heads, head_dim), dtype=dtype),
+            TensorSpec(role=TensorRole.VALUE, shape=(heads, head_dim), dtype=dtype),
+        ),
+    )
 
 
 def gqa_descriptor(
@@ -51,18 +67,7 @@ def gqa_descriptor(
         engine_family=engine_family,
         semantic_type=semantic_type,
         parallel=ParallelScope(tp_rank=tp_rank, tp_size=tp_size),
-        layer_groups=(
-            LayerGroup(
-                kv_group=0,
-                semantic_type=semantic_type,
-                layers=tuple(range(num_layers)),
-                granularity=Granularity(kind=GranularityKind.BLOCK, tokens=block_size),
-                tensors=(
-                    TensorSpec(role=TensorRole.KEY, shape=(heads, head_dim), dtype=dtype),
-                    TensorSpec(role=TensorRole.VALUE, shape=(heads, head_dim), dtype=dtype),
-                ),
-            ),
-        ),
+        layer_groups=(_kv_group(0, semantic_type, tuple(range(num_layers)), block_size, heads, head_dim, dtype),),
         layout=LayoutConvention(layout=layout, position="rope_applied", rope_theta=rope_theta),
     )
 
@@ -80,6 +85,7 @@ def mla_descriptor(
     block_size: int = 64,
     dtype: DType = DType.BFLOAT16,
     rope_theta: float = 10000.0,
+    layout: str = "paged_latent",
 ) -> StateDescriptor:
     """A Multi-head Latent Attention model: per token a latent and a decoupled RoPE key."""
     return StateDescriptor(
@@ -101,7 +107,55 @@ def mla_descriptor(
                 ),
             ),
         ),
-        layout=LayoutConvention(layout="paged_latent", position="rope_deferred", rope_theta=rope_theta),
+        layout=LayoutConvention(layout=layout, position="rope_deferred", rope_theta=rope_theta),
+    )
+
+
+def hybrid_descriptor(
+    *,
+    model: str,
+    attention_layers: tuple[int, ...],
+    recurrent_layers: tuple[int, ...],
+    num_kv_heads: int,
+    head_dim: int,
+    recurrent_state_shape: tuple[int, ...],
+    checkpoint_interval: int,
+    conv_state_shape: tuple[int, ...] | None = None,
+    tenant_namespace: str = "default",
+    model_revision: str = "main",
+    tokenizer_revision: str = "main",
+    engine_family: str = "vllm",
+    block_size: int = 16,
+    dtype: DType = DType.BFLOAT16,
+    rope_theta: float = 10000.0,
+    layout: str = "paged_nhd",
+) -> StateDescriptor:
+    """A hybrid of GQA attention layers (KV group 0, pages of ``block_size`` tokens) and
+    recurrent layers (KV group 1) whose state is a terminal checkpoint every
+    ``checkpoint_interval`` tokens (recurrent state, plus the short-convolution state if any)."""
+    recurrent = [TensorSpec(role=TensorRole.RECURRENT_STATE, shape=recurrent_state_shape, dtype=dtype)]
+    if conv_state_shape is not None:
+        recurrent.append(TensorSpec(role=TensorRole.CONV_STATE, shape=conv_state_shape, dtype=dtype))
+    return StateDescriptor(
+        tenant_namespace=tenant_namespace,
+        model=model,
+        model_revision=model_revision,
+        tokenizer_revision=tokenizer_revision,
+        engine_family=engine_family,
+        semantic_type=SemanticType.HYBRID,
+        layer_groups=(
+            _kv_group(0, SemanticType.GQA, attention_layers, block_size, num_kv_heads, head_dim, dtype),
+            LayerGroup(
+                kv_group=1,
+                semantic_type=SemanticType.RECURRENT,
+                layers=recurrent_layers,
+                granularity=Granularity(kind=GranularityKind.CHECKPOINT, tokens=checkpoint_interval),
+                tensors=tuple(recurrent),
+            ),
+        ),
+        # partial prefixes are legal only at checkpoint boundaries; the runtime enforces that
+        materialization=MaterializationCapabilities(partial_prefix=True),
+        layout=LayoutConvention(layout=layout, position="rope_applied", rope_theta=rope_theta),
     )
 
 

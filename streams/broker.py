@@ -211,7 +211,7 @@ class ApacheKafkaBroker(_Broker):
         self._props = props
         fmt = subprocess.run(
             [self._java(), "-cp", self.classpath, "kafka.tools.StorageTool", "format", "--standalone",
-             "-t", base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode(), "-c", str(props)],
+             "-t", _cluster_id(), "-c", str(props)],
             capture_output=True, text=True, timeout=120,
         )
         if fmt.returncode != 0:
@@ -224,6 +224,14 @@ class ApacheKafkaBroker(_Broker):
             f"-Dkafka.logs.dir={self.work_dir}", f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
             f"-Djava.io.tmpdir={self.work_dir}", "-cp", self.classpath, "kafka.Kafka", str(self._props),
         ]
+
+
+def _cluster_id() -> str:
+    """A random Kafka cluster id (base64url of 16 bytes) that argparse cannot take for an option."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cid.startswith("-"):
+            return cid
 
 
 def check_reachable(url: BrokerUrl, timeout_s: float) -> None:

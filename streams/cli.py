@@ -132,6 +132,7 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from streams.broker import open_bus
+    from streams.process import free_port
     from streams.services import start_services
     from streams.topics import ensure_topics
 
@@ -139,7 +140,9 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
         print(f"nexuskv: bus at {url}; topics ready", flush=True)
-        with start_services(url, settings, enabled=not args.no_workers) as running:
+        # The remote tier server and the executors that use it must agree on its address.
+        remote = settings.remote_tier or f"tcp://127.0.0.1:{free_port()}"
+        with start_services(url, settings, enabled=not args.no_workers, env={"NEXUSKV_REMOTE_TIER": remote}) as running:
             names = ", ".join(s.name for s in running) or "none"
             print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
             stop.wait()
@@ -180,8 +183,9 @@ def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
             print(f"| `{var}` | {default} | {doc} |")
     else:
         shown = settings.model_dump(mode="json")
-        if shown.get("identity_secret"):
-            shown["identity_secret"] = "***"
+        for secret in ("identity_secret", "index_api_tokens"):
+            if shown.get(secret):
+                shown[secret] = "***"
         print(json.dumps(shown, indent=2))
     return 0
 

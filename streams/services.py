@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,15 +30,28 @@ class Service:
 
 
 #: Registered stream workers, in start order. Later components add themselves here.
-SERVICES: tuple[Service, ...] = ()
+SERVICES: tuple[Service, ...] = (
+    Service("index-worker", "streams.index_worker",
+            "applies nexuskv.kv-events to the global index, dead-letters bad records, checkpoints per partition"),
+    Service("index-api", "streams.index_api",
+            "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
+    Service("remote-tier", "streams.remote_tier",
+            "the remote tier: payloads held in its own process, served over TCP at NEXUSKV_REMOTE_TIER"),
+    Service("transfer-executor", "streams.transfer_executor",
+            "moves payloads between this worker's tiers on transfer commands; publishes results and timings"),
+)
 
 
 @contextlib.contextmanager
 def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
-                   services: tuple[Service, ...] | None = None) -> Iterator[list[Service]]:
-    """Start every service; stop all of them (TERM, then KILL) when the block ends."""
+                   services: tuple[Service, ...] | None = None,
+                   env: Mapping[str, str] | None = None) -> Iterator[list[Service]]:
+    """Start every service; stop all of them (TERM, then KILL) when the block ends.
+
+    ``env`` adds variables to the services' environment (``up`` passes the remote tier's address).
+    """
     chosen = list(SERVICES if services is None else services) if enabled else []
-    env = dict(os.environ, NEXUSKV_BROKER=str(url))
+    env = dict(os.environ, **(env or {}), NEXUSKV_BROKER=str(url))
     log_dir = Path(settings.data_dir) / "logs"
     procs: list[tuple[Service, ManagedProcess]] = []
     try:

@@ -26,3 +26,45 @@ def kafka_url() -> Iterator[BrokerUrl]:
 
     with ApacheKafkaBroker() as broker:
         yield broker.url
+
+
+@pytest.fixture(scope="session")
+def remote_tier_address(tmp_path_factory) -> Iterator[str]:
+    """A remote tier server in its own process (``python -m streams.remote_tier``), for the session."""
+    import sys
+    import time
+
+    from nexuskv.dataplane.remote import RemoteBackend
+    from nexuskv.errors import TierUnavailableError
+    from streams.process import ManagedProcess, free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES=str(256 << 20))
+    proc = ManagedProcess([sys.executable, "-m", "streams.remote_tier", "--listen", address], name="remote-tier",
+                          log_path=tmp_path_factory.mktemp("remote-tier") / "remote-tier.log", env=env)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                RemoteBackend(address, timeout_s=2).close()
+                break
+            except TierUnavailableError:
+                if not proc.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"remote tier did not start; log:\n{proc.log_tail()}") from None
+                time.sleep(0.1)
+        yield address
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def remote_backend(remote_tier_address):
+    """A client of the session's remote tier process, emptied before and after the test."""
+    from nexuskv.dataplane.remote import RemoteBackend
+
+    backend = RemoteBackend(remote_tier_address)
+    backend.clear()
+    yield backend
+    backend.clear()
+    backend.close()

@@ -54,3 +54,15 @@ def test_every_setting_has_an_env_name_and_a_doc_and_the_readme_lists_it():
     for var, _default, doc in rows:
         assert var.startswith("NEXUSKV_") and doc
         assert f"`{var}`" in readme, f"README's configuration table lacks {var}"
+
+
+def test_index_api_tokens_parse_and_bad_ones_name_the_variable_without_echoing_them():
+    from nexuskv.config import parse_api_tokens
+
+    s = Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": "a" * 16 + "=acme, " + "b" * 20 + "=globex"})
+    assert s.api_tokens == {"a" * 16: "acme", "b" * 20: "globex"}
+    assert Settings.from_env({}).api_tokens == {} and parse_api_tokens("") == {}
+    for bad in ("short=acme", "x" * 16, "y" * 16 + "="):
+        with pytest.raises(ConfigError) as info:
+            Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": bad})
+        assert info.value.field == "NEXUSKV_INDEX_API_TOKENS" and bad.split("=")[0] not in str(info.value)

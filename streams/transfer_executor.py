@@ -1,0 +1,200 @@
+"""``python -m streams.transfer_executor``: the data plane's transfer service for one worker.
+
+Consumes ``nexuskv.transfers`` (commands keyed by destination worker), runs the commands whose
+destination is this worker (``NEXUSKV_WORKER``) on a
+:class:`~nexuskv.dataplane.executor.TransferExecutor` over this worker's tiers, and publishes
+each outcome on ``nexuskv.transfer-results`` (keyed by request id) and its timing on
+``nexuskv.observations``. A command that cannot be decoded goes to ``nexuskv.dead-letter`` with
+the reason. Commands for other workers are skipped: each executor reads the topic in its own
+consumer group (``nexuskv-transfer-executor-<worker>``), so every executor sees every command
+and none is lost to a partition assigned elsewhere.
+
+Offsets are committed only up to the oldest command whose result is not yet published, so a
+crash re-runs (never drops) a command; re-running one is harmless, as blocks already at the
+destination are not copied again. On SIGINT/SIGTERM the executor cancels what is queued or
+running, publishes those ``cancelled`` results, commits, and exits.
+
+Tiers (:func:`catalog_from_settings`): device memory (CUDA, or a host-memory stand-in that says
+so), host DRAM, local disk under ``NEXUSKV_DATA_DIR/tiers/<worker>/disk``, and the remote tier at
+``NEXUSKV_REMOTE_TIER`` when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts.topics import TRANSFERS
+from nexuskv.contracts.transfers import TransferCommand
+from nexuskv.dataplane.catalog import BackendCatalog
+from nexuskv.dataplane.disk import DiskBackend
+from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
+from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
+from nexuskv.dataplane.remote import RemoteBackend
+from nexuskv.errors import ConfigError, ContractError, NexusKVError, TierUnavailableError
+from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.routing import route
+
+__all__ = ["TransferService", "catalog_from_settings", "main"]
+
+log = logging.getLogger("nexuskv.transfer_executor")
+SERVICE = "transfer-executor"
+
+
+class _Offsets:
+    """Per partition: the next offset that is safe to commit (all earlier ones finished)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}
+
+    def begin(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.setdefault(tp, set()).add(offset)
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.get(tp, set()).discard(offset)
+
+    def committable(self) -> dict[TopicPartition, int]:
+        return {tp: min(self._pending[tp]) if self._pending.get(tp) else nxt for tp, nxt in self._next.items()}
+
+
+class TransferService:
+    """Bus glue around one worker's executor; :meth:`run` until ``stop`` is set."""
+
+    def __init__(self, url: BrokerUrl, executor: TransferExecutor, *, worker: str, group_id: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self.executor = executor
+        self.worker = worker
+        self.group_id = group_id or f"nexuskv-{SERVICE}-{worker}"
+        self.clock = clock
+        self.ready = asyncio.Event()  # set once the consumer has joined and got its partitions
+        self.handled = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        client = f"{SERVICE}-{self.worker}-{uuid.uuid4().hex[:6]}"
+        consumer = make_consumer(self.url, TRANSFERS, client_id=client, group_id=self.group_id)
+        producer = make_producer(self.url, client_id=client)
+        await producer.start()
+        await consumer.start()
+        offsets = _Offsets()
+        committed: dict[TopicPartition, int] = {}
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                batch = await consumer.getmany(timeout_ms=200, max_records=256)
+                if consumer.assignment():
+                    self.ready.set()
+                for tp, records in batch.items():
+                    for record in records:
+                        offsets.begin(tp, record.offset)
+                        task = self._handle(producer, record)
+                        if task is None:
+                            offsets.done(tp, record.offset)
+                        else:
+                            tasks.add(task)
+                            task.add_done_callback(tasks.discard)
+                            task.add_done_callback(lambda _t, tp=tp, o=record.offset: offsets.done(tp, o))
+                await self._commit(consumer, offsets, committed)
+        finally:
+            await asyncio.to_thread(self.executor.close, "the transfer executor is stopping")
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            await self._commit(consumer, offsets, committed)
+            await consumer.stop()
+            await producer.stop()
+
+    def _handle(self, producer, record) -> asyncio.Task | None:
+        """Start one record's work; None when it is finished at once (skipped or dead-lettered)."""
+        try:
+            command = decode_record(TRANSFERS, record)
+        except ContractError as exc:
+            letter = dead_letter_for(TRANSFERS.name, record, exc, service=SERVICE, now=self.clock())
+            return asyncio.create_task(self._dead_letter(producer, letter))
+        if not isinstance(command, TransferCommand) or command.destination.worker != self.worker:
+            return None
+        future = asyncio.wrap_future(self.executor.submit(command))
+        return asyncio.create_task(self._publish(producer, future))
+
+    async def _publish(self, producer, future: asyncio.Future) -> None:
+        outcome: TransferOutcome = await future
+        result = outcome.result
+        await send(producer, *route(result), result)
+        if outcome.observation is not None:
+            await send(producer, *route(outcome.observation), outcome.observation)
+        self.handled += 1
+        log.info("transfer %s: %s (%d blocks, %d bytes, %.4fs)%s", result.transfer_id, result.status.value,
+                 result.blocks_moved, result.bytes_moved, result.duration_s,
+                 f": {result.error}" if result.error else "")
+
+    async def _dead_letter(self, producer, letter) -> None:
+        await send_dead_letter(producer, letter)
+        log.warning("dead-lettered a transfers record at offset %d: %s", letter.offset, letter.reason)
+
+    @staticmethod
+    async def _commit(consumer, offsets: _Offsets, committed: dict[TopicPartition, int]) -> None:
+        due = {tp: o for tp, o in offsets.committable().items() if committed.get(tp) != o}
+        if due:
+            await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in due.items()})
+            committed.update(due)
+
+
+def catalog_from_settings(settings: Settings, *, wait_s: float | None = None) -> BackendCatalog:
+    """This worker's tiers from settings; waits up to ``wait_s`` for the remote tier to answer."""
+    root = Path(settings.data_dir) / "tiers" / settings.worker / "disk"
+    backends = [DeviceMemoryBackend(settings.tier_device_bytes), HostMemoryBackend(settings.tier_host_bytes),
+                DiskBackend(root, settings.tier_disk_bytes)]
+    if settings.remote_tier:
+        deadline = time.monotonic() + (settings.broker_start_timeout_s if wait_s is None else wait_s)
+        while True:
+            try:
+                backends.append(RemoteBackend(settings.remote_tier))
+                break
+            except TierUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    return BackendCatalog(settings.worker, backends)
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_env()
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        url = settings.broker_url
+        if url is None:
+            raise ConfigError("NEXUSKV_BROKER", "the transfer executor needs a broker (nexuskv up sets it)")
+        catalog = catalog_from_settings(settings)
+    except NexusKVError as exc:
+        print(f"nexuskv transfer executor: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    for b in catalog.backends:
+        c = b.capabilities
+        log.info("tier %s: %s, %d bytes, device %s%s", c.tier.value, b.label, b.capacity_bytes, c.device,
+                 f" ({c.note})" if c.note else "")
+    executor = TransferExecutor(catalog, lanes=settings.transfer_lanes, jobs=settings.transfer_jobs)
+    service = TransferService(url, executor, worker=settings.worker)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await service.run(stop)
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""The index pipeline on a real Apache Kafka: worker process, SIGKILL recovery, dead letters,
+scale-out, replicas and the HTTP lookup endpoint.
+
+The replay slice is the first 160 requests of the Mooncake conversation trace (hash ids expanded
+to 16-token blocks; 8 workers with 2,048-block GPU and 3,072-block host LRU caches), about 400
+batches and 0.5 M block operations. The reference is the simulation's own cache contents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import pytest
+from aiohttp import web
+
+from benchmarks.traces import CONVERSATION_SLICE, TraceReplay, load_trace
+from nexuskv.contracts import codec
+from nexuskv.contracts.dead_letter import DeadLetter
+from nexuskv.contracts.kv_events import KvEventBatch
+from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS
+from nexuskv.index import GlobalIndex
+from streams.bus import make_consumer, make_producer
+from streams.index_api import make_lookup_app
+from streams.index_worker import checkpoint_path, read_checkpoint
+from streams.process import ManagedProcess, free_port
+from streams.replica import IndexReplica
+from streams.topics import ensure_topics
+
+pytestmark = pytest.mark.broker
+PARTITIONS = 4
+SECRET = "replay-secret"
+
+
+def _replay(limit: int = 160) -> tuple[TraceReplay, list[KvEventBatch]]:
+    replay = TraceReplay(load_trace(CONVERSATION_SLICE, limit=limit), workers=8, gpu_blocks=2048, host_blocks=3072)
+    return replay, list(replay.batches())
+
+
+def _names() -> tuple[str, str, str]:
+    tag = uuid.uuid4().hex[:8]
+    return f"test.kv-events.{tag}", f"test-index-{tag}", f"test.dead-letter.{tag}"
+
+
+async def _topics(url, topic: str, dead: str) -> None:
+    import dataclasses
+
+    await ensure_topics(url, partitions=PARTITIONS, topics=(dataclasses.replace(KV_EVENTS, name=topic),
+                                                            dataclasses.replace(DEAD_LETTER, name=dead)))
+
+
+async def _produce(url, topic: str, items: list[tuple[bytes, bytes]]) -> None:
+    producer = make_producer(url, client_id="index-test")
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, value, key=key) for key, value in items]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+def _encoded(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
+    return [(b.publisher.encode(), codec.encode(KV_EVENTS, b)) for b in batches]
+
+
+async def _end_offsets(url, topic: str) -> dict[int, int]:
+    from aiokafka import TopicPartition
+
+    consumer = make_consumer(url, client_id="index-test-ends")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        return {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+def _worker(url, data_dir: Path, topic: str, group: str, dead: str) -> ManagedProcess:
+    env = dict(os.environ, NEXUSKV_BROKER=str(url), NEXUSKV_DATA_DIR=str(data_dir), NEXUSKV_IDENTITY_SECRET=SECRET,
+               NEXUSKV_INDEX_CHECKPOINT_INTERVAL="0.5", NEXUSKV_TOPIC_PARTITIONS=str(PARTITIONS),
+               NEXUSKV_LOG_LEVEL="INFO")
+    proc = ManagedProcess([sys.executable, "-m", "streams.index_worker", "--topic", topic, "--group", group,
+                           "--dead-letter-topic", dead], name=f"index-worker-{group}",
+                          log_path=data_dir / "worker.log", env=env, cwd=Path(__file__).resolve().parents[2])
+    proc.start()
+    return proc
+
+
+def _checkpoints(dirs: list[Path], topic: str, group: str) -> dict[int, object]:
+    best: dict[int, object] = {}
+    for d in dirs:
+        for p in range(PARTITIONS):
+            ck = read_checkpoint(checkpoint_path(d / "index" / group, topic, p))
+            if ck is not None and (p not in best or ck.next_offset > best[p].next_offset):
+                best[p] = ck
+    return best
+
+
+async def _wait_checkpointed(dirs, topic, group, ends, procs, timeout_s=120.0) -> dict[int, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        best = _checkpoints(dirs, topic, group)
+        if all(ends[p] == 0 or (p in best and best[p].next_offset >= ends[p]) for p in ends):
+            return best
+        for proc in procs:
+            assert proc.alive(), proc.log_tail(40)
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"checkpoints never caught up to {ends}: {[(p, c.next_offset) for p, c in best.items()]}\n"
+                         + "\n".join(p.log_tail(30) for p in procs))
+
+
+def _restored(best: dict[int, object]) -> GlobalIndex:
+    index = GlobalIndex(secret=SECRET.encode())
+    for ck in best.values():
+        index.restore(ck.index)
+    return index
+
+
+@pytest.mark.slow
+async def test_replay_through_kafka_then_sigkill_mid_replay_loses_nothing(kafka_url, tmp_path):
+    replay, batches = _replay()
+    truth = replay.resident(SECRET.encode())
+    # 1. A clean run.
+    topic, group, dead = _names()
+    await _topics(kafka_url, topic, dead)
+    worker = _worker(kafka_url, tmp_path / "a", topic, group, dead)
+    try:
+        await _produce(kafka_url, topic, _encoded(batches))
+        ends = await _end_offsets(kafka_url, topic)
+        index = _restored(await _wait_checkpointed([tmp_path / "a"], topic, group, ends, [worker]))
+    finally:
+        worker.stop()
+    assert index.facts() == truth
+    assert index.stats().unresolved_blocks == 0 and index.stats().uncertain_publishers == 0
+
+    # 2. Again, SIGKILLed mid-replay (after its first checkpoints, before the end), then restarted.
+    topic, group, dead = _names()
+    await _topics(kafka_url, topic, dead)
+    data = tmp_path / "b"
+    worker = _worker(kafka_url, data, topic, group, dead)
+    try:
+        half = len(batches) // 2
+        await _produce(kafka_url, topic, _encoded(batches[:half]))
+        deadline = time.monotonic() + 60
+        while not _checkpoints([data], topic, group) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert _checkpoints([data], topic, group), worker.log_tail(40)
+        producing = asyncio.create_task(_produce(kafka_url, topic, _encoded(batches[half:])))
+        await asyncio.sleep(0.5)
+        os.killpg(worker.pid, signal.SIGKILL)
+        await producing
+        ends = await _end_offsets(kafka_url, topic)
+        at_kill = _checkpoints([data], topic, group)
+        assert sum(c.next_offset for c in at_kill.values()) < sum(ends.values()), "the kill came too late"
+        worker.stop()
+        worker = _worker(kafka_url, data, topic, group, dead)
+        index = _restored(await _wait_checkpointed([data], topic, group, ends, [worker]))
+    finally:
+        worker.stop()
+    got = index.facts()
+    lost = sum(len(truth.get(w, set()) - got.get(w, set())) for w in truth)
+    phantom = sum(len(got.get(w, set()) - truth.get(w, set())) for w in got)
+    assert (lost, phantom) == (0, 0)
+    assert got == truth
+
+
+def _malformed(valid: bytes, i: int) -> tuple[bytes, str]:
+    doc = msgpack.unpackb(valid, raw=False)
+    kind = i % 5
+    if kind == 0:
+        return valid[: max(1, len(valid) // 3)], "truncated"
+    if kind == 1:
+        doc["seq"] = "seven"
+    elif kind == 2:
+        doc["events"] = [{"type": "exploded", "engine_hashes": [1]}]
+    elif kind == 3:
+        doc["events"] = [{"type": "removed", "engine_hashes": list(range(5000))}]
+    else:
+        doc["schema_version"] = 2
+    return msgpack.packb(doc, use_bin_type=True), ("wrong type", "unknown tag", "oversized", "schema version")[kind - 1]
+
+
+async def test_a_thousand_malformed_payloads_go_to_the_dead_letter_topic_and_valid_ones_apply(kafka_url, tmp_path):
+    replay, batches = _replay(limit=40)
+    truth = replay.resident(SECRET.encode())
+    topic, group, dead = _names()
+    await _topics(kafka_url, topic, dead)
+    valid = _encoded(batches)
+    templates = [v for _k, v in valid]
+    items, bad = [], []
+    for i in range(1000):
+        payload, _kind = _malformed(templates[i % len(templates)], i)
+        bad.append(payload)
+        items.append((b"mangled", payload))
+        if i % 4 == 0 and valid:
+            items.append(valid.pop(0))
+    items.extend(valid)
+    worker = _worker(kafka_url, tmp_path, topic, group, dead)
+    try:
+        await _produce(kafka_url, topic, items)
+        ends = await _end_offsets(kafka_url, topic)
+        index = _restored(await _wait_checkpointed([tmp_path], topic, group, ends, [worker]))
+        assert worker.alive()
+    finally:
+        worker.stop()
+    assert index.facts() == truth  # every valid batch applied, in its publisher's order
+    letters = []
+    consumer = make_consumer(kafka_url, DEAD_LETTER.__class__(dead, "", DeadLetter, "json", ""), client_id="dl-test",
+                             group_id=f"dl-{uuid.uuid4().hex[:6]}")
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(letters) < 1000 and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                letters.extend(DeadLetter.model_validate_json(r.value) for r in records)
+    finally:
+        await consumer.stop()
+    assert len(letters) == 1000
+    assert sorted(le.payload for le in letters) == sorted(bad)
+    assert all(le.reason and le.source_topic == topic and le.service == "index-worker" for le in letters)
+    reasons = " ".join(le.reason for le in letters)
+    for word in ("undecodable", "seq", "schema_version", "events"):
+        assert word in reasons
+
+
+@pytest.mark.slow
+async def test_two_workers_in_one_group_split_partitions_and_together_answer_as_one(kafka_url, tmp_path):
+    replay, batches = _replay(limit=100)
+    truth = replay.resident(SECRET.encode())
+    topic, group, dead = _names()
+    await _topics(kafka_url, topic, dead)
+    dirs = [tmp_path / "w1", tmp_path / "w2"]
+    workers = [_worker(kafka_url, d, topic, group, dead) for d in dirs]
+    try:
+        await asyncio.sleep(6)  # both join the group before the events arrive
+        await _produce(kafka_url, topic, _encoded(batches))
+        ends = await _end_offsets(kafka_url, topic)
+        best = await _wait_checkpointed(dirs, topic, group, ends, workers)
+    finally:
+        for w in workers:
+            w.stop()
+    owners = [sum(1 for p in range(PARTITIONS) if read_checkpoint(checkpoint_path(d / "index" / group, topic, p)))
+              for d in dirs]
+    assert all(owners), f"one worker got no partition: {owners}"
+    together = _restored(best)
+    one = GlobalIndex(secret=SECRET.encode())
+    for b in batches:
+        one.apply(b)
+    assert together.facts() == one.facts() == truth
+    scope = replay.scope
+    for request in replay.requests[:50]:
+        blocks = replay.blocks_of(request)
+        tokens = replay.tokens(blocks)
+        assert together.lookup_tokens(scope, tokens, 16) == one.lookup_tokens(scope, tokens, 16)
+
+
+async def test_replica_reads_every_partition_and_serves_the_authenticated_tenant_scoped_endpoint(kafka_url):
+    replay, batches = _replay(limit=40)
+    topic, _group, dead = _names()
+    await _topics(kafka_url, topic, dead)
+    await _produce(kafka_url, topic, _encoded(batches))
+    reference = GlobalIndex(secret=SECRET.encode())
+    for b in batches:
+        reference.apply(b)
+    scope = replay.scope
+    request = replay.requests[3]
+    tokens = replay.tokens(replay.blocks_of(request)).tolist()
+    async with IndexReplica(kafka_url, secret=SECRET.encode(), topic=topic) as replica:
+        await replica.wait_caught_up()
+        assert replica.index.facts() == reference.facts()
+        got = replica.lookup_tokens(scope, tokens, 16)
+        assert got == reference.lookup_tokens(scope, tokens, 16) and got.matches
+        assert (got.lag_events, got.lag_ms) == (0, 0.0) and replica.lag() == (0, 0.0)
+
+        tok_a, tok_b = "a" * 20, "b" * 20
+        port = free_port()
+        runner = web.AppRunner(make_lookup_app(replica, {tok_a: scope.tenant_namespace, tok_b: "other-tenant"}))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        closed_port = free_port()
+        closed = web.AppRunner(make_lookup_app(replica, {}))
+        await closed.setup()
+        await web.TCPSite(closed, "127.0.0.1", closed_port).start()
+        body = {"scope": {k: getattr(scope, k) for k in ("model", "model_revision", "tokenizer_revision",
+                                                          "descriptor_id")}, "token_ids": tokens, "block_size": 16}
+        url = f"http://127.0.0.1:{port}/v1/lookup"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}, {"Authorization": tok_a}):
+                    async with http.post(url, json=body, headers=headers) as r:
+                        assert r.status == 401
+                async with http.post(f"http://127.0.0.1:{closed_port}/v1/lookup", json=body,
+                                     headers={"Authorization": f"Bearer {tok_a}"}) as r:
+                    assert r.status == 401  # no tokens configured: nobody gets an answer
+                async with http.post(url, json=body, headers={"Authorization": f"Bearer {tok_a}"}) as r:
+                    assert r.status == 200
+                    answer = await r.json()
+                assert [(m["worker"], m["tier"], m["prefix_blocks"]) for m in answer["matches"]] == [
+                    (m.location.worker, m.location.tier.value, m.prefix_blocks) for m in got.matches]
+                keys = [format(k, "032x") for k in replay_keys(replay, tokens)]
+                async with http.post(url, json={"scope": body["scope"], "keys": keys},
+                                     headers={"Authorization": f"Bearer {tok_a}"}) as r:
+                    assert (await r.json())["matches"] == answer["matches"]
+                # Another tenant's token sees nothing of it, even with the right keys.
+                async with http.post(url, json={"scope": body["scope"], "keys": keys},
+                                     headers={"Authorization": f"Bearer {tok_b}"}) as r:
+                    assert r.status == 200 and (await r.json())["matches"] == []
+                forged = {**body, "scope": {**body["scope"], "tenant_namespace": scope.tenant_namespace}}
+                async with http.post(url, json=forged, headers={"Authorization": f"Bearer {tok_b}"}) as r:
+                    assert r.status == 403
+                async with http.post(url, json={"scope": {}}, headers={"Authorization": f"Bearer {tok_a}"}) as r:
+                    assert r.status == 400
+        finally:
+            await runner.cleanup()
+            await closed.cleanup()
+
+
+def replay_keys(replay: TraceReplay, tokens: list[int]) -> list[int]:
+    from nexuskv.identity import BlockKeyer
+
+    return BlockKeyer(replay.scope, 16, SECRET.encode()).keys(tokens)
