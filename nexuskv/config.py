@@ -186,6 +186,30 @@ class Settings(BaseModel):
     transfer_jobs: int = _env(
         "NEXUSKV_TRANSFER_JOBS", "Transfers the executor runs at once (earliest deadline first).", 2, ge=1, le=64,
     )
+    policy_file: Path | None = _env(
+        "NEXUSKV_POLICY_FILE",
+        "Execution policy (`nexuskv.execution_policy.v1`, TOML or JSON; example: `infra/policy/default.toml`). "
+        "Unset: the built-in defaults. Invalid at start: the service stops naming every bad field; invalid on "
+        "reload: the last valid policy stays in force.",
+        None,
+    )
+    policy_reload_s: float = _env(
+        "NEXUSKV_POLICY_RELOAD", "Seconds between checks of the policy file for changes.", 1.0, gt=0, le=3600
+    )
+    calibration_publish_s: float = _env(
+        "NEXUSKV_CALIBRATION_PUBLISH",
+        "Seconds between publications of a fitted cost-model entry that has new observations.", 1.0, gt=0, le=3600
+    )
+    calibration_min_observations: int = _env(
+        "NEXUSKV_CALIBRATION_MIN_OBSERVATIONS",
+        "Observations a fitted entry needs before it is published (until then planners keep the shipped profile).",
+        20, ge=1, le=1_000_000,
+    )
+    calibration_forgetting: float = _env(
+        "NEXUSKV_CALIBRATION_FORGETTING",
+        "Forgetting factor of the online fit (1: none; 0.999 weighs about the last 1,000 observations).",
+        0.999, ge=0.9, le=1.0,
+    )
 
     @field_validator("broker")
     @classmethod
@@ -217,6 +241,10 @@ class Settings(BaseModel):
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"invalid remote tier address {value!r}: expected tcp://host:port")
         return text
+    @field_validator("policy_file", mode="before")
+    @classmethod
+    def _policy_file(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("log_level")
     @classmethod

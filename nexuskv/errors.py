@@ -4,6 +4,7 @@
 
     NexusKVError
     ├── ConfigError            a setting or policy field is invalid; ``.field`` names it
+    │   └── PolicyError        an execution policy file is invalid; ``.errors`` lists every field
     ├── ContractError          a wire payload or descriptor does not satisfy its contract
     │   └── SchemaVersionError the payload's schema version is not one this build reads
     ├── IdentityError          tokens or scope cannot produce a canonical block key
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "NexusKVError",
     "ConfigError",
+    "PolicyError",
     "ContractError",
     "SchemaVersionError",
     "IdentityError",
@@ -49,6 +51,26 @@ class ConfigError(NexusKVError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class PolicyError(ConfigError):
+    """An execution policy is invalid. ``errors`` holds one ``(field path, message)`` per defect;
+    ``field`` and ``message`` are the first of them, so one line still names what to fix."""
+
+    def __init__(self, origin: str, errors: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> None:
+        self.errors = tuple(errors) or (("<root>", "invalid policy"),)
+        self.origin = origin
+        first_field, first_message = self.errors[0]
+        super().__init__(first_field, first_message)
+        more = f" (+{len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+        self.args = (f"{origin}: {first_field}: {first_message}{more}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def describe(self) -> str:
+        """Every defect, one ``path: message`` per line."""
+        return "\n".join(f"{path}: {message}" for path, message in self.errors)
 
 
 class ContractError(NexusKVError, ValueError):

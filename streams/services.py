@@ -39,6 +39,10 @@ SERVICES: tuple[Service, ...] = (
             "the remote tier: payloads held in its own process, served over TCP at NEXUSKV_REMOTE_TIER"),
     Service("transfer-executor", "streams.transfer_executor",
             "moves payloads between this worker's tiers on transfer commands; publishes results and timings"),
+    Service("calibration", "streams.calibration_agent",
+            "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
+    Service("planner", "streams.planner_service",
+            "plan requests -> decisions, placement hints and transfer commands, by Effective Gain"),
 )
 
 

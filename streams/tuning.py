@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["PRODUCER", "CONSUMER", "FAUST", "SESSION_TIMEOUT_S", "HEARTBEAT_INTERVAL_S", "REBALANCE_TIMEOUT_S",
-           "TOPIC_PARTITIONS"]
+           "TOPIC_PARTITIONS", "LOW_LATENCY_PRODUCER", "LOW_LATENCY_CONSUMER"]
 
 SESSION_TIMEOUT_S = 6.0  # the lowest Apache Kafka accepts by default; Tansu joins in half of it
 HEARTBEAT_INTERVAL_S = 0.5
@@ -100,4 +100,19 @@ FAUST: dict[str, Any] = {
     # Not settable: Faust's worker consumer always fetches with fetch_max_wait_ms=1500, and Tansu
     # answers a waiting fetch only after half of that even when a record arrives sooner, so on
     # Tansu an idle worker sees a new event up to ~0.75 s late (Kafka answers at once).
+}
+
+# Overrides for the request/response path (the planner service: plan request in, decision out),
+# where every millisecond is on a request's admission path. Measured in benchmarks/README.md
+# (planner_decision_bus_p99).
+LOW_LATENCY_PRODUCER: dict[str, Any] = {
+    # Send at once: a 2 ms linger is 2 ms on every decision (the service has one record in hand,
+    # not a stream of them to batch).
+    "linger_ms": 0,
+}
+LOW_LATENCY_CONSUMER: dict[str, Any] = {
+    # Tansu answers a waiting fetch only after half of fetch_max_wait_ms even when a record arrives
+    # sooner (see FAUST above): 100 ms would add ~50 ms per hop. 10 ms costs an idle consumer about
+    # 100 fetch requests a second against a broker on loopback, and bounds Tansu's wait at ~5 ms.
+    "fetch_max_wait_ms": 10,
 }

@@ -1,9 +1,11 @@
-"""``nexuskv.placement``: routing and placement hints for routers and tiers.
+"""``nexuskv.placement``: routing and placement hints for routers, tiers and executors.
 
 Keyed by tenant namespace and prefix root (the request's first block key), so hints about one
 shared prefix stay in order. A router consumes ``route`` hints; tier managers consume ``pin``,
-``unpin``, ``prefetch``, ``demote`` and ``evict``. Hints are advice: the engine keeps final
-authority over its memory.
+``unpin``, ``prefetch``, ``demote`` and ``evict``; an executor may consume ``cancel`` (a transfer
+whose deadline passed: the request recomputes, finishing the copy is wasted work). A hint covers
+blocks ``[first_block, first_block + blocks)`` of the request's key chain at ``worker``/``tier``.
+Hints are advice: the engine keeps final authority over its memory.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class HintKind(StrEnum):
     UNPIN = "unpin"
     DEMOTE = "demote"
     EVICT = "evict"
+    CANCEL = "cancel"
 
 
 class PlacementHint(Contract):
@@ -40,7 +43,11 @@ class PlacementHint(Contract):
     kind: HintKind
     worker: Text
     tier: Tier | None = None
+    group: Annotated[int, Field(ge=0)] = 0
+    first_block: Annotated[int, Field(ge=0)] = 0
     blocks: Annotated[int, Field(ge=0)] = 0
+    transfer_id: Text | None = None  # the transfer a pin, prefetch, cancel or demote belongs to
+    to_tier: Tier | None = None  # demote: where the blocks should go
     expires_at: float | None = None
     issued_at: Annotated[float, Field(ge=0)]
-    reason: Text
+    reason: Annotated[str, Field(min_length=1, max_length=4096)]

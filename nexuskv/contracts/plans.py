@@ -3,7 +3,8 @@
 Keyed by request id. A request names its identity scope (which fixes the descriptor), its
 canonical block keys (or its token ids, when the caller leaves key computation to NexusKV),
 when it arrived, its deadline or TTFT SLO, and the candidate workers with their current load.
-Token ids are never logged.
+It may carry its State Descriptor; without one the planner resolves ``scope.descriptor_id``
+among the descriptors it knows (the known models). Token ids are never logged.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from nexuskv.contract import Contract
+from nexuskv.descriptor import StateDescriptor
 from nexuskv.identity import IdentityScope
 
 __all__ = ["SCHEMA_VERSION", "WorkerLoad", "PlanRequest"]
@@ -46,6 +48,8 @@ class PlanRequest(Contract):
     candidates: tuple[WorkerLoad, ...] = Field(min_length=1, max_length=4096)
     expected_output_tokens: Count | None = None
     workload: Text | None = None  # label for analysis ("chat", "rag", ...)
+    descriptor: StateDescriptor | None = None  # the state the request needs; else looked up by id
+    trace_id: str | None = None
 
     @model_validator(mode="after")
     def _keys_or_tokens(self) -> PlanRequest:
@@ -56,6 +60,12 @@ class PlanRequest(Contract):
             raise ValueError(f"keys: {len(self.keys)} keys for {full} full blocks of prompt_tokens")
         if self.token_ids is not None and len(self.token_ids) != self.prompt_tokens:
             raise ValueError("token_ids: length must equal prompt_tokens")
+        if self.descriptor is not None:
+            if self.descriptor.descriptor_id != self.scope.descriptor_id:
+                raise ValueError("descriptor: its descriptor_id differs from scope.descriptor_id")
+            if self.descriptor.block_size != self.block_size:
+                raise ValueError(f"block_size: {self.block_size} differs from the descriptor's "
+                                 f"{self.descriptor.block_size}")
         workers = [c.worker for c in self.candidates]
         if len(set(workers)) != len(workers):
             raise ValueError("candidates: each worker may appear once")

@@ -2,6 +2,27 @@
 
 High-volume lifecycle events are msgpack; everything else is JSON so an operator can read it
 with any Kafka console consumer. Each payload carries ``schema_version``.
+
+=========================== ============================ ==========================================
+topic                       key                          carries
+=========================== ============================ ==========================================
+nexuskv.kv-events           publisher id                 lifecycle event batches (seq, incarnation)
+nexuskv.observations        model and link or tier       measured prefill and transfer timings, load
+nexuskv.plan-requests       request id                   describe-and-match requests at admission
+nexuskv.decisions           request id                   decision records (revision 0, then fallbacks)
+nexuskv.placement           tenant namespace/prefix root routing, pin, prefetch, demote, evict, cancel
+nexuskv.transfers           destination worker           transfer commands with deadline and backend
+nexuskv.transfer-results    request id                   completion, timing, failure
+nexuskv.cost-models         cost-model entry id          fitted entries, each a complete posterior;
+                                                         compacted: the latest per key is the model
+nexuskv.dead-letter         source topic                 rejected inputs with the reason
+=========================== ============================ ==========================================
+
+Producers and consumers: engines and bridges produce kv-events and observations; the index
+consumes kv-events; the calibration agent consumes observations and produces cost-models; the
+planner service consumes plan-requests, transfer-results and cost-models and produces decisions,
+placement and transfers; executors consume transfers (and cancel hints) and produce
+transfer-results and transfer observations; the analytics sink consumes decisions and outcomes.
 """
 
 from __future__ import annotations
@@ -10,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from nexuskv.contract import Contract
+from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.kv_events import KvEventBatch
@@ -19,7 +41,7 @@ from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 
 __all__ = ["Topic", "TOPICS", "KV_EVENTS", "OBSERVATIONS", "PLAN_REQUESTS", "DECISIONS",
-           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "DEAD_LETTER", "topic_named"]
+           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "DEAD_LETTER", "topic_named"]
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -57,13 +79,19 @@ TRANSFERS = Topic(
 TRANSFER_RESULTS = Topic(
     "nexuskv.transfer-results", "request id", TransferResult, "json", "completion, timing, failure",
 )
+COST_MODELS = Topic(
+    "nexuskv.cost-models", "cost-model entry id", CostModelEntry, "json",
+    "fitted cost-model entries (compute and link), each a complete posterior; latest per key wins",
+    {"cleanup.policy": "compact"},
+)
 DEAD_LETTER = Topic(
     "nexuskv.dead-letter", "source topic", DeadLetter, "json", "rejected inputs with the reason",
     {"retention.ms": str(30 * DAY_MS)},
 )
 
 TOPICS: tuple[Topic, ...] = (
-    KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, DEAD_LETTER,
+    KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, COST_MODELS,
+    DEAD_LETTER,
 )
 
 

@@ -55,6 +55,7 @@ class TransferCommand(Contract):
     issued_at: Annotated[float, Field(ge=0)]
     deadline_at: Annotated[float, Field(ge=0)]
     priority: Annotated[int, Field(ge=0, le=9)] = 5
+    backend: Text | None = None  # the execution policy's backend for this link; None: executor's choice
 
     @model_validator(mode="after")
     def _distinct(self) -> TransferCommand:

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from nexuskv.contracts import TOPICS, decode, encode, topic_named
+from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Action, Alternative, CostTerms, Decision
 from nexuskv.contracts.kv_events import AllCleared, BlockStored, KvEventBatch, Snapshot
@@ -23,7 +24,7 @@ from nexuskv.contracts.transfers import TransferCommand, TransferResult, Transfe
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ContractError, SchemaVersionError
 from nexuskv.schemas import schema_documents
-from tests.factories import kv_batch, scope
+from tests.factories import descriptor, kv_batch, scope
 
 GPU_A = EntryLocation(worker="w-a", tier="gpu", group=0)
 DISK_A = EntryLocation(worker="w-a", tier="disk", group=0)
@@ -49,18 +50,38 @@ def samples():
                        queued_prefill_tokens=100)))
     plan_tokens = PlanRequest(request_id="r2", scope=scope(), block_size=4, prompt_tokens=3, token_ids=(1, 2, 3),
                               arrival_at=10.0, candidates=(WorkerLoad(worker="w-a"),))
+    plan_described = PlanRequest(request_id="r3", scope=scope(), block_size=4, prompt_tokens=8, keys=(5, 6),
+                                 arrival_at=1.0, candidates=(WorkerLoad(worker="w-a", profile="h200x1-rdma4x200"),),
+                                 descriptor=descriptor(tenant_namespace="tenant-a"), trace_id="00-ab-cd-01")
     alt = Alternative(action=Action.RECOMPUTE, worker="w-b", t_compute_s=0.3, t_with_reuse_s=0.3, eg_s=0.0,
                       eg_lower_s=0.0, rejected_reason="lower EG")
+    uncosted = Alternative(action=Action.TRANSFER, worker="w-a", source=DISK_A, destination=GPU_A, t_compute_s=0.3,
+                           rejected_reason="publisher uncertain: treated as a miss")
+    prefetch = Alternative(action=Action.PREFETCH, worker="w-a", source=DISK_A, destination=GPU_A, backend="file",
+                           reused_tokens=8, reused_blocks=2, t_compute_s=0.3, t_tail_s=0.01, t_with_reuse_s=0.2,
+                           eg_s=0.09, eg_std_s=0.01, eg_lower_s=0.07, p_use=0.97, deadline_at=12.0)
     decision = Decision(request_id="r1", tenant_namespace="tenant-a", decided_at=11.0, action=Action.TRANSFER,
                         worker="w-a", source=DISK_A, destination=GPU_A, prompt_tokens=9, reused_tokens=8,
                         reused_blocks=2, t_compute_s=0.3, t_with_reuse_s=0.1,
                         terms=CostTerms(transfer_s=0.05, restore_s=0.01, total_s=0.06), eg_s=0.2, eg_lower_s=0.15,
-                        reason="EG 0.2 s > 0", alternatives=(alt,), policy_version="p1", cost_model_version="c1")
+                        reason="EG 0.2 s > 0", alternatives=(alt, uncosted, prefetch), alternatives_total=7,
+                        policy_version="p1", cost_model_version="c1", baseline_worker="w-b", backend="file",
+                        eg_std_s=0.02, t_tail_s=0.01, revision=1)
     hint = PlacementHint(hint_id="h1", request_id="r1", tenant_namespace="tenant-a", prefix_root=7,
                          kind=HintKind.ROUTE, worker="w-a", tier="gpu", blocks=2, issued_at=1.0, reason="state")
+    cancel = PlacementHint(hint_id="h2", request_id="r1", tenant_namespace="tenant-a", kind=HintKind.CANCEL,
+                           worker="w-a", tier="gpu", first_block=2, blocks=3, transfer_id="t1", issued_at=2.0,
+                           reason="deadline passed")
     cmd = TransferCommand(transfer_id="t1", request_id="r1", descriptor_id="sd1-x", tenant_namespace="tenant-a",
                           keys=(1, 2), source=DISK_A, destination=GPU_A, bytes=4096, issued_at=1.0,
-                          deadline_at=2.0)
+                          deadline_at=2.0, backend="file")
+    cov = ((1e-6, 0.0, 0.0), (0.0, 1e-12, 1e-14), (0.0, 1e-14, 1e-20))
+    fit_c = CostModelEntry(entry=ComputeFit(model="m", profile="h200"), mean=(0.01, 3e-5, 5e-10), cov=cov,
+                           residual_rel_std=0.02, observations=100, version=3, fitted_at=5.0, publisher="cal-1",
+                           method="weighted RLS")
+    fit_l = CostModelEntry(entry=LinkFit(profile="h200", source_tier="host", destination_tier="gpu"),
+                           mean=(1e-4, 2e-6, 2e-11), cov=cov, residual_rel_std=0.05, observations=10, version=1,
+                           fitted_at=5.0, publisher="cal-1", method="weighted RLS")
     ok = TransferResult(transfer_id="t1", request_id="r1", status=TransferStatus.COMPLETED, source=DISK_A,
                         destination=GPU_A, blocks_moved=2, bytes_moved=4096, started_at=1.0, finished_at=1.5)
     late = TransferResult(transfer_id="t1", request_id="r1", status=TransferStatus.DEADLINE_EXCEEDED, source=DISK_A,
@@ -68,7 +89,8 @@ def samples():
     dead = DeadLetter(source_topic="nexuskv.kv-events", partition=3, offset=10, key=b"pub", payload=b"\x00\xffxyz",
                       payload_size=5, reason="undecodable", error_type="ContractError", service="index",
                       rejected_at=3.0)
-    return [batch, tiered, *obs, plan, plan_tokens, decision, hint, cmd, ok, late, dead]
+    return [batch, tiered, *obs, plan, plan_tokens, plan_described, decision, hint, cancel, cmd, ok, late, fit_c,
+            fit_l, dead]
 
 
 def _topic_for(value):
@@ -170,3 +192,25 @@ def test_committed_json_schemas_match_the_contracts():
     for name, doc in docs.items():
         committed = json.loads((folder / name).read_text())
         assert committed == json.loads(json.dumps(doc, sort_keys=True)), f"{name} is stale: run `nexuskv schemas`"
+
+
+def test_cost_model_entries_are_keyed_and_their_covariance_checked():
+    fits = [v for v in samples() if isinstance(v, CostModelEntry)]
+    assert [f.key for f in fits] == ["compute/m/h200", "link/h200/host->gpu"]
+    data = fits[0].model_dump()
+    with pytest.raises(ValueError, match="symmetric"):
+        CostModelEntry(**{**data, "cov": ((1.0, 2.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))})
+    with pytest.raises(ValueError, match="negative"):
+        CostModelEntry(**{**data, "cov": ((-1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))})
+    with pytest.raises(ValueError):
+        CostModelEntry(**{**data, "mean": (float("nan"), 0.0, 0.0)})
+
+
+def test_a_plan_request_descriptor_must_match_its_scope_and_block_size():
+    good = dict(request_id="r", scope=scope(), block_size=4, prompt_tokens=4, keys=(1,), arrival_at=0,
+                candidates=(WorkerLoad(worker="a"),))
+    PlanRequest(**good, descriptor=descriptor())
+    with pytest.raises(ValueError, match="descriptor_id"):
+        PlanRequest(**good, descriptor=descriptor(num_layers=5))
+    with pytest.raises(ValueError, match="block_size"):
+        PlanRequest(**{**good, "block_size": 2, "prompt_tokens": 2}, descriptor=descriptor())

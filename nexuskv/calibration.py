@@ -1,0 +1,239 @@
+"""Online calibration of the cost model from observations: weighted recursive least squares.
+
+Both cost forms are linear in their parameters (:mod:`nexuskv.cost`), so one estimator fits both:
+
+* prefill observations fit ``T_compute(e, s) = c0 + c1*e + c2*e*s`` per (model, profile);
+* completed transfer observations fit ``latency + pages*per_page + bytes*seconds_per_byte`` per
+  (profile, source tier -> destination tier). A transfer observation names its worker, not a
+  profile: the profile is the one that worker's prefill observations named (else the default).
+
+:class:`RecursiveFit` is recursive least squares with:
+
+* **relative weighting** — timings spread over four orders of magnitude and their noise grows with
+  them, so each observation is weighted by ``1/y²`` (the fit minimises relative error);
+* **a prior** — the shipped profile's mean and covariance (scaled by an assumed 10% relative
+  noise), floored so that a parameter shipped as exactly known can still move; directions the
+  data cannot identify (pages and bytes in fixed proportion) stay at the prior;
+* **forgetting** — factor ``λ`` (1 = none; 0.999 ≈ the last 1,000 observations) so the fit tracks
+  drift;
+* **confidence intervals** — the parameter covariance is ``s² P`` with ``s²`` the weighted residual
+  variance, so :meth:`RecursiveFit.interval` gives ``mean ± z·sd`` per parameter and the planner's
+  gate inherits the uncertainty.
+
+Features are scaled internally so that the 3×3 algebra stays well conditioned (token counts of
+1e4, products of 1e9, byte counts of 1e9). One update costs a few microseconds of pure Python
+(``tests/nexuskv/test_calibration.py`` fits thousands), light enough for an agent's event loop.
+
+:class:`Calibrator` holds the fits of one calibration worker; :func:`apply_entry` folds a published
+:class:`~nexuskv.contracts.cost_models.CostModelEntry` into a planner's :class:`~nexuskv.cost.CostModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit
+from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
+from nexuskv.cost import ComputeCost, CostModel, LinearCost, LinkCost, Vec3
+from nexuskv.descriptor import Tier
+
+__all__ = ["RecursiveFit", "FitKey", "Calibrator", "apply_entry", "COMPUTE_SCALE", "LINK_SCALE"]
+
+COMPUTE_SCALE: Vec3 = (1.0, 1e4, 1e9)  # 1, e (tokens), e*s (tokens²)
+LINK_SCALE: Vec3 = (1.0, 1e3, 1e9)  # 1, pages, bytes
+PRIOR_NOISE = 0.1  # relative noise assumed when weighing the prior against data
+PRIOR_FLOOR = 1e2  # floor of a scaled parameter's prior variance, seconds² at the feature's scale
+METHOD = "weighted RLS (1/y² weights), shipped prior, forgetting {lam}"
+
+_Mat = list[list[float]]
+
+
+class RecursiveFit:
+    """Weighted RLS over three features with a Gaussian prior and exponential forgetting."""
+
+    __slots__ = ("scale", "forgetting", "theta", "p", "sum_sq", "dof", "observations")
+
+    def __init__(self, prior: LinearCost, scale: Vec3, *, forgetting: float = 1.0) -> None:
+        if not 0.9 <= forgetting <= 1.0:
+            raise ValueError(f"forgetting: {forgetting} not in [0.9, 1]")
+        self.scale = scale
+        self.forgetting = forgetting
+        self.theta = [prior.mean[i] * scale[i] for i in range(3)]
+        noise2 = PRIOR_NOISE * PRIOR_NOISE
+        self.p: _Mat = [[prior.cov[i][j] * scale[i] * scale[j] / noise2 for j in range(3)] for i in range(3)]
+        for i in range(3):
+            self.p[i][i] = max(self.p[i][i], PRIOR_FLOOR / noise2)
+        self.sum_sq = 0.0
+        self.dof = 0.0
+        self.observations = 0
+
+    def update(self, x: Vec3, y: float) -> None:
+        """Fold in one observation ``y`` seconds at features ``x`` (natural units)."""
+        if not (y > 0 and math.isfinite(y)) or not all(math.isfinite(v) for v in x):
+            return
+        s = self.scale
+        xs = (x[0] / s[0], x[1] / s[1], x[2] / s[2])
+        w = 1.0 / (y * y)
+        lam = self.forgetting
+        p, th = self.p, self.theta
+        px = [p[i][0] * xs[0] + p[i][1] * xs[1] + p[i][2] * xs[2] for i in range(3)]
+        xpx = xs[0] * px[0] + xs[1] * px[1] + xs[2] * px[2]
+        denom = lam / w + xpx
+        k = [v / denom for v in px]
+        err = y - (th[0] * xs[0] + th[1] * xs[1] + th[2] * xs[2])
+        for i in range(3):
+            th[i] += k[i] * err
+        for i in range(3):
+            for j in range(3):
+                p[i][j] = (p[i][j] - k[i] * px[j]) / lam
+        for i in range(3):  # keep P symmetric against rounding
+            for j in range(i):
+                p[i][j] = p[j][i] = 0.5 * (p[i][j] + p[j][i])
+        self.sum_sq = lam * self.sum_sq + err * err * lam / denom  # = w e² / (1 + w x'Px / λ)
+        self.dof = lam * self.dof + 1.0
+        self.observations += 1
+
+    @property
+    def residual_rel_std(self) -> float:
+        """Standard deviation of one observation's relative error (prior noise until 4 observations)."""
+        if self.dof <= 3.0:
+            return PRIOR_NOISE
+        return math.sqrt(self.sum_sq / (self.dof - 3.0))
+
+    @property
+    def mean(self) -> Vec3:
+        s = self.scale
+        return (self.theta[0] / s[0], self.theta[1] / s[1], self.theta[2] / s[2])
+
+    @property
+    def cov(self) -> tuple[Vec3, Vec3, Vec3]:
+        """Parameter covariance in natural units: ``s² P`` unscaled."""
+        s, s2 = self.scale, self.residual_rel_std ** 2
+        rows = [tuple(s2 * self.p[i][j] / (s[i] * s[j]) for j in range(3)) for i in range(3)]
+        return (rows[0], rows[1], rows[2])  # type: ignore[return-value]
+
+    def interval(self, i: int, z: float = 1.96) -> tuple[float, float]:
+        """``mean[i] ± z·sd[i]``."""
+        sd = math.sqrt(max(self.cov[i][i], 0.0))
+        return (self.mean[i] - z * sd, self.mean[i] + z * sd)
+
+    def cost(self) -> LinearCost:
+        return LinearCost(self.mean, self.cov)
+
+    @classmethod
+    def from_posterior(cls, mean: Vec3, cov: tuple[Vec3, Vec3, Vec3], residual_rel_std: float, observations: int,
+                       scale: Vec3, *, forgetting: float = 1.0) -> RecursiveFit:
+        """Resume from a published posterior (:class:`CostModelEntry`): ``P = cov / s²`` scaled.
+
+        Exact up to rounding: a published entry is the whole state of the fit, so a restarted
+        calibration worker reads its last entries back instead of keeping a second copy.
+        """
+        fit = cls(LinearCost(mean, cov), scale, forgetting=forgetting)
+        s2 = max(residual_rel_std, 1e-6) ** 2
+        fit.p = [[cov[i][j] * scale[i] * scale[j] / s2 for j in range(3)] for i in range(3)]
+        fit.observations = observations
+        fit.dof = float(observations) if forgetting == 1.0 else (1 - forgetting ** observations) / (1 - forgetting)
+        fit.sum_sq = s2 * max(fit.dof - 3.0, 0.0)
+        return fit
+
+
+@dataclass(frozen=True, slots=True)
+class FitKey:
+    """What one fit is of: a compute profile or a link of a profile."""
+
+    kind: str  # "compute" | "link"
+    profile: str
+    model: str = ""
+    source: Tier | None = None
+    destination: Tier | None = None
+
+    @property
+    def id(self) -> str:
+        """The entry id on ``nexuskv.cost-models`` (:attr:`CostModelEntry.key`)."""
+        if self.kind == "compute":
+            return f"compute/{self.model}/{self.profile}"
+        return f"link/{self.profile}/{self.source.value}->{self.destination.value}"  # type: ignore[union-attr]
+
+
+class Calibrator:
+    """The fits of one calibration worker, started from a shipped cost model's priors."""
+
+    def __init__(self, base: CostModel, *, default_profile: str, forgetting: float = 1.0) -> None:
+        self.base = base
+        self.default_profile = default_profile
+        self.forgetting = forgetting
+        self.fits: dict[FitKey, RecursiveFit] = {}
+        self.worker_profiles: dict[str, str] = {}
+        self.versions: dict[FitKey, int] = {}
+
+    def _fit(self, key: FitKey) -> RecursiveFit:
+        fit = self.fits.get(key)
+        if fit is None:
+            if key.kind == "compute":
+                prior_cost = self.base.compute_for(key.model, key.profile)
+                prior, scale = (prior_cost.params if prior_cost else LinearCost((0.0, 0.0, 0.0))), COMPUTE_SCALE
+            else:
+                prior_link = self.base.link(key.profile, key.source, key.destination)  # type: ignore[arg-type]
+                prior, scale = (prior_link.params if prior_link else LinearCost((0.0, 0.0, 0.0))), LINK_SCALE
+            fit = self.fits[key] = RecursiveFit(prior, scale, forgetting=self.forgetting)
+        return fit
+
+    def observe(self, record: ObservationRecord) -> FitKey | None:
+        """Fold in one observation; returns the fit it updated (None: nothing to fit)."""
+        obs = record.observation
+        if isinstance(obs, PrefillObservation):
+            if obs.uncached_tokens == 0:
+                return None
+            self.worker_profiles[obs.worker] = obs.profile
+            key = FitKey("compute", obs.profile, model=obs.model)
+            self._fit(key).update(ComputeCost.features(obs.uncached_tokens, obs.context_tokens), obs.duration_s)
+            return key
+        if isinstance(obs, TransferObservation):
+            if not obs.ok or obs.bytes == 0:
+                return None  # a failed copy measures the failure, not the link
+            profile = self.worker_profiles.get(obs.worker, self.default_profile)
+            key = FitKey("link", profile, source=obs.source_tier, destination=obs.destination_tier)
+            self._fit(key).update((1.0, float(obs.pages), float(obs.bytes)), obs.duration_s)
+            return key
+        return None  # load observations describe workers, not costs
+
+    def resume(self, entry: CostModelEntry) -> FitKey:
+        """Resume a fit from its last published entry (versions continue from it)."""
+        fit = entry.entry
+        if isinstance(fit, ComputeFit):
+            key, scale = FitKey("compute", fit.profile, model=fit.model), COMPUTE_SCALE
+        else:
+            key = FitKey("link", fit.profile, source=fit.source_tier, destination=fit.destination_tier)
+            scale = LINK_SCALE
+        self.fits[key] = RecursiveFit.from_posterior(entry.mean, entry.cov, entry.residual_rel_std,
+                                                     entry.observations, scale, forgetting=self.forgetting)
+        self.versions[key] = entry.version
+        return key
+
+    def entry(self, key: FitKey, *, now: float, publisher: str) -> CostModelEntry:
+        """The fit as a publishable, versioned record (each call is a new version)."""
+        fit = self.fits[key]
+        version = self.versions.get(key, 0) + 1
+        self.versions[key] = version
+        if key.kind == "compute":
+            what: ComputeFit | LinkFit = ComputeFit(model=key.model, profile=key.profile)
+        else:
+            what = LinkFit(profile=key.profile, source_tier=key.source, destination_tier=key.destination)
+        return CostModelEntry(entry=what, mean=fit.mean, cov=fit.cov, residual_rel_std=fit.residual_rel_std,
+                              observations=fit.observations, version=version, fitted_at=now, publisher=publisher,
+                              method=METHOD.format(lam=fit.forgetting))
+
+
+def apply_entry(model: CostModel, entry: CostModelEntry) -> CostModel:
+    """``model`` with ``entry``'s fit in place of what it had for that key (a new snapshot)."""
+    params = LinearCost(entry.mean, entry.cov)
+    label = (f"fitted: {entry.method}, {entry.observations} observations, residual "
+             f"{entry.residual_rel_std:.1%}, v{entry.version} by {entry.publisher}")
+    fit = entry.entry
+    if isinstance(fit, ComputeFit):
+        return model.with_compute(ComputeCost(model=fit.model, profile=fit.profile, params=params, source=label,
+                                              observations=entry.observations, version=entry.version))
+    return model.with_link(LinkCost(profile=fit.profile, source=fit.source_tier, destination=fit.destination_tier,
+                                    params=params, label=label, observations=entry.observations,
+                                    version=entry.version))

@@ -1,0 +1,327 @@
+"""The cost model (whitepaper §2.5): what recomputing costs, what reusing costs, and how sure we are.
+
+Two fitted forms, both linear in their parameters so that one estimator (:mod:`nexuskv.calibration`)
+fits both and every prediction carries a variance:
+
+* ``T_compute(e, s) = c0 + c1*e + c2*e*s`` seconds, for ``e`` uncached tokens prefilled in a
+  context of ``s`` tokens (``s`` counts the cached prefix and the new tokens), per (model,
+  hardware profile). Features ``(1, e, e*s)``.
+* ``T_transfer(pages, bytes) = latency + pages*per_page + bytes/bandwidth`` seconds, per
+  (hardware profile, source tier -> destination tier) link. Features ``(1, pages, bytes)``;
+  the third parameter is seconds per byte. Fixed per-operation and per-page costs are part of
+  the form on purpose: they, not bandwidth, made a file-tier hit slower than recomputing in
+  sglang#26305.
+
+``T_cache`` of a candidate is ``lookup + queue + max(0, transfer - overlap) + restore + sync +
+interference`` (:class:`CacheTerms`); the planner adds the compute of the uncached tail.
+
+Uncertainty: each parameter vector has a covariance. Shipped profiles (:mod:`nexuskv.profiles`)
+get a diagonal one from a relative uncertainty per parameter (large where a number is assumed,
+small where it was measured); fitted ones get the estimator's posterior. Staleness: a snapshot is
+as old as its ``version`` says; the planner records that version in every decision.
+
+Prefetch expected gain: ``E[G] = P_use*G - (1 - P_use)*(T_transfer + C_pollution + C_interference)``
+(:func:`prefetch_expected_gain`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import NamedTuple
+
+from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
+
+__all__ = [
+    "Vec3",
+    "LinearCost",
+    "ComputeCost",
+    "LinkCost",
+    "HardwareProfile",
+    "CacheTerms",
+    "CostModel",
+    "LinkKey",
+    "ComputeKey",
+    "compose_links",
+    "extent_bytes",
+    "extent_pages",
+    "normal_cdf",
+    "prefetch_expected_gain",
+]
+
+Vec3 = tuple[float, float, float]
+Mat3 = tuple[Vec3, Vec3, Vec3]
+ComputeKey = tuple[str, str]  # (model, hardware profile)
+LinkKey = tuple[str, Tier, Tier]  # (hardware profile, source tier, destination tier)
+
+_ZERO3: Mat3 = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """``y = mean · x`` with parameter covariance ``cov``; ``x`` is a 3-feature vector."""
+
+    mean: Vec3
+    cov: Mat3 = _ZERO3
+    # (c00, c11, c22, 2*c01, 2*c02, 2*c12): the quadratic form in six products, for the planner's loop.
+    _quad: tuple[float, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        c = self.cov
+        object.__setattr__(self, "_quad", (c[0][0], c[1][1], c[2][2], c[0][1] + c[1][0], c[0][2] + c[2][0],
+                                           c[1][2] + c[2][1]))
+
+    @classmethod
+    def independent(cls, mean: Vec3, std: Vec3) -> LinearCost:
+        """Independent parameters with standard deviations ``std``."""
+        v = [s * s for s in std]
+        return cls(mean, ((v[0], 0.0, 0.0), (0.0, v[1], 0.0), (0.0, 0.0, v[2])))
+
+    @classmethod
+    def with_relative_uncertainty(cls, mean: Vec3, rel: Vec3) -> LinearCost:
+        """Independent parameters, each with standard deviation ``rel[i] * |mean[i]|``."""
+        return cls.independent(mean, (rel[0] * abs(mean[0]), rel[1] * abs(mean[1]), rel[2] * abs(mean[2])))
+
+    def predict(self, x0: float, x1: float, x2: float) -> float:
+        m = self.mean
+        return m[0] * x0 + m[1] * x1 + m[2] * x2
+
+    def variance(self, x0: float, x1: float, x2: float) -> float:
+        """Variance of the prediction's mean at ``x`` (parameter uncertainty only): ``x' cov x``."""
+        a, b, c, ab, ac, bc = self._quad
+        return x0 * (a * x0 + ab * x1 + ac * x2) + x1 * (b * x1 + bc * x2) + c * x2 * x2
+
+    def std(self, i: int) -> float:
+        return math.sqrt(max(self.cov[i][i], 0.0))
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeCost:
+    """``T_compute(e, s) = c0 + c1*e + c2*e*s`` seconds for one (model, hardware profile)."""
+
+    model: str
+    profile: str
+    params: LinearCost
+    source: str  # where the numbers come from ("anchors.md §3 ...", "fitted from 812 observations")
+    observations: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> ComputeKey:
+        return (self.model, self.profile)
+
+    def seconds(self, e: int, s: int) -> float:
+        """Prefill time of ``e`` tokens in a context of ``s`` tokens (0 when nothing is computed)."""
+        if e <= 0:
+            return 0.0
+        return self.params.predict(1.0, e, e * s)
+
+    @staticmethod
+    def features(e: int, s: int) -> Vec3:
+        return (1.0, float(e), float(e) * float(s)) if e > 0 else (0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCost:
+    """``T_transfer = latency + pages*per_page + bytes*seconds_per_byte`` for one link of a profile.
+
+    ``interference`` is the fraction of the transfer time charged to the consumer as
+    interference (copy-engine, PCIe and memory-bandwidth contention; vLLM measured 5-32% for
+    kernel-based copies).
+    """
+
+    profile: str
+    source: Tier
+    destination: Tier
+    params: LinearCost
+    label: str
+    interference: float = 0.0
+    observations: int = 0
+    version: int = 0
+
+    @property
+    def key(self) -> LinkKey:
+        return (self.profile, self.source, self.destination)
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.value}->{self.destination.value}"
+
+    @property
+    def latency_s(self) -> float:
+        return self.params.mean[0]
+
+    @property
+    def per_page_s(self) -> float:
+        return self.params.mean[1]
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        spb = self.params.mean[2]
+        return math.inf if spb <= 0 else 1.0 / spb
+
+    def seconds(self, pages: int, nbytes: int) -> float:
+        return self.params.predict(1.0, pages, nbytes)
+
+    def variance(self, pages: int, nbytes: int) -> float:
+        return self.params.variance(1.0, pages, nbytes)
+
+
+def compose_links(first: LinkCost, second: LinkCost, *, profile: str, source: Tier, destination: Tier) -> LinkCost:
+    """Two hops pipelined: latencies and per-page costs add, the slower bandwidth bounds the flow."""
+    a, b = first.params, second.params
+    slow = a if a.mean[2] >= b.mean[2] else b
+    mean = (a.mean[0] + b.mean[0], a.mean[1] + b.mean[1], slow.mean[2])
+    cov = ((a.cov[0][0] + b.cov[0][0], 0.0, 0.0), (0.0, a.cov[1][1] + b.cov[1][1], 0.0), (0.0, 0.0, slow.cov[2][2]))
+    return LinkCost(profile=profile, source=source, destination=destination, params=LinearCost(mean, cov),
+                    label=f"{first.label} then {second.label}",
+                    interference=max(first.interference, second.interference))
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    """Constants of a deployment that are not fitted online (seconds, bytes/s, tokens).
+
+    * ``lookup_s`` — index lookup on the admission path;
+    * ``sync_s`` — completion signalling of a transfer before the consumer may read it;
+    * ``hbm_bytes_per_s`` and ``prefill_chunk_tokens`` — what in-flight decode costs a prefill: every
+      chunk of ``prefill_chunk_tokens`` shares an engine step with the decode batch, which reads its
+      KV (``decode_blocks`` blocks) from HBM once per step.
+    """
+
+    name: str
+    hbm_bytes_per_s: float  # all GPUs of the worker together
+    prefill_chunk_tokens: int
+    lookup_s: float
+    sync_s: float
+    label: str
+
+    def decode_seconds(self, decode_blocks: int, block_bytes: int, prefill_tokens: int) -> float:
+        """Time in-flight decode adds to a prefill of ``prefill_tokens`` tokens."""
+        if decode_blocks <= 0 or prefill_tokens <= 0:
+            return 0.0
+        steps = -(-prefill_tokens // self.prefill_chunk_tokens)
+        return steps * decode_blocks * block_bytes / self.hbm_bytes_per_s
+
+
+class CacheTerms(NamedTuple):
+    """The terms of ``T_cache`` for one candidate, seconds (whitepaper §2.5).
+
+    A named tuple, immutable like the other values here, because the planner builds one per
+    option it weighs and a frozen dataclass costs three times as much to build.
+    """
+
+    lookup_s: float = 0.0
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    overlap_s: float = 0.0
+    restore_s: float = 0.0
+    sync_s: float = 0.0
+    interference_s: float = 0.0
+
+    @property
+    def visible_transfer_s(self) -> float:
+        return max(0.0, self.transfer_s - self.overlap_s)
+
+    @property
+    def total_s(self) -> float:
+        """``lookup + queue + max(0, transfer - overlap) + restore + sync + interference``."""
+        return (self.lookup_s + self.queue_s + self.visible_transfer_s + self.restore_s + self.sync_s
+                + self.interference_s)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """A versioned snapshot: hardware constants, compute costs per (model, profile), link costs.
+
+    Immutable: :meth:`with_compute` and :meth:`with_link` return a new snapshot with a new version.
+    ``base`` names the shipped profile set; ``version`` adds a digest of every fitted entry used.
+    """
+
+    base: str
+    hardware: Mapping[str, HardwareProfile]
+    compute: Mapping[ComputeKey, ComputeCost]
+    links: Mapping[LinkKey, LinkCost]
+    version: str = field(default="")
+    #: Values derived from this snapshot by pure functions (the planner's resolved links per
+    #: profile). Fresh for every snapshot, so a derived value never outlives what it came from.
+    memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memo", {})
+        object.__setattr__(self, "hardware", MappingProxyType(dict(self.hardware)))
+        object.__setattr__(self, "compute", MappingProxyType(dict(self.compute)))
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        if not self.version:
+            object.__setattr__(self, "version", self._digest())
+
+    @classmethod
+    def build(cls, base: str, hardware: Iterable[HardwareProfile], compute: Iterable[ComputeCost],
+              links: Iterable[LinkCost]) -> CostModel:
+        return cls(base=base, hardware={h.name: h for h in hardware}, compute={c.key: c for c in compute},
+                   links={lk.key: lk for lk in links})
+
+    def _digest(self) -> str:
+        fitted = sorted(
+            [f"c|{c.model}|{c.profile}|{c.version}" for c in self.compute.values() if c.observations]
+            + [f"l|{k.profile}|{k.name}|{k.version}" for k in self.links.values() if k.observations]
+        )
+        if not fitted:
+            return self.base
+        return f"{self.base}+{hashlib.blake2b('/'.join(fitted).encode(), digest_size=4).hexdigest()}"
+
+    def compute_for(self, model: str, profile: str) -> ComputeCost | None:
+        return self.compute.get((model, profile))
+
+    def link(self, profile: str, source: Tier, destination: Tier) -> LinkCost | None:
+        return self.links.get((profile, source, destination))
+
+    def with_compute(self, cost: ComputeCost) -> CostModel:
+        merged = dict(self.compute)
+        merged[cost.key] = cost
+        return replace(self, compute=merged, version="")
+
+    def with_link(self, cost: LinkCost) -> CostModel:
+        merged = dict(self.links)
+        prior = merged.get(cost.key)
+        if prior is not None and cost.interference == 0.0:
+            cost = replace(cost, interference=prior.interference)  # observations do not measure it
+        merged[cost.key] = cost
+        return replace(self, links=merged, version="")
+
+
+def extent_bytes(descriptor: StateDescriptor, blocks: int) -> int:
+    """Bytes of ``blocks`` consecutive blocks of state, every KV group together.
+
+    Token-granular groups contribute ``blocks * block_size * bytes_per_token``; a recurrent group
+    contributes one checkpoint (the state at the extent's end) when ``blocks > 0``.
+    """
+    if blocks <= 0:
+        return 0
+    tokens = blocks * descriptor.block_size
+    total = 0
+    for g in descriptor.layer_groups:
+        if g.granularity.kind is GranularityKind.CHECKPOINT:
+            total += g.bytes_per_checkpoint
+        else:
+            total += tokens * g.bytes_per_token
+    return total
+
+
+def extent_pages(descriptor: StateDescriptor, blocks: int) -> int:
+    """Copy operations of ``blocks`` blocks: one page per block per KV group."""
+    return blocks * len(descriptor.layer_groups) if blocks > 0 else 0
+
+
+def normal_cdf(x: float) -> float:
+    """P(Z <= x) for a standard normal Z."""
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def prefetch_expected_gain(p_use: float, gain_s: float, transfer_s: float, pollution_s: float,
+                           interference_s: float) -> float:
+    """``P_use*G - (1 - P_use)*(T_transfer + C_pollution + C_interference)`` seconds (whitepaper §2.5)."""
+    return p_use * gain_s - (1.0 - p_use) * (transfer_s + pollution_s + interference_s)

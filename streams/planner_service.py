@@ -1,0 +1,381 @@
+"""The planner service: plan requests in; decisions, placement hints and transfer commands out.
+
+Consumes ``nexuskv.plan-requests`` (and ``nexuskv.transfer-results``, which complete or fail the
+transfers it ordered), decides with the pure planner against in-process replicas — the index
+(any :class:`~nexuskv.lookup.IndexView`, injected) and the cost model
+(:class:`streams.cost_models.CostModelReplica`, fed by ``nexuskv.cost-models``) — and produces
+``nexuskv.decisions`` (keyed by request id), ``nexuskv.placement`` (keyed by tenant and prefix
+root) and ``nexuskv.transfers`` (keyed by destination worker). Input that cannot be planned — a
+payload that does not decode, a descriptor the planner does not know, token ids that cannot be
+keyed — goes to ``nexuskv.dead-letter`` with the reason.
+
+Deadlines: a ticker abandons transfers whose deadline passed (a superseding recompute decision,
+revision + 1, and a ``cancel`` hint), and turns copies that land late into ``demote`` hints
+(:mod:`nexuskv.prefetch`). The execution policy file is re-read when it changes; a bad edit is
+logged field by field and the last valid policy stays in force.
+
+Delivery is at least once: a batch's offsets are committed only after the records it produced
+were acknowledged, by a background task every ``commit_s`` (a commit awaited in the loop is a broker
+round trip in front of the next request). A request id seen again by this process is skipped (its records already went out);
+a restarted process plans it again, deterministically, with the same record ids.
+
+Why aiokafka and not Faust: the goal is request -> decision in ≤ 20 ms on loopback, and Faust's
+consumer fetches with a hard-coded 1.5 s wait that Tansu answers only after half of it (~0.75 s
+per hop, ``streams/tuning.py``); a plain consumer with a 10 ms wait and a producer without linger
+(``tuning.LOW_LATENCY_*``) keep the bus to a few milliseconds per hop. Faust's tables would add
+nothing here: the planner keeps no state of its own beyond transfers in flight.
+
+The index: :func:`main` wires an in-process :class:`~streams.replica.IndexReplica` (every
+kv-events partition, bootstrapped from the index workers' checkpoints), so a lookup never crosses
+the bus; its lag lands in each decision. Tests inject any IndexView (:class:`NullIndexView` makes
+every lookup a miss).
+
+Run: ``python -m streams.planner_service`` (``nexuskv up`` starts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contract import Contract
+from nexuskv.contracts import codec
+from nexuskv.contracts.plans import PlanRequest
+from nexuskv.contracts.topics import (
+    DECISIONS,
+    PLACEMENT,
+    PLAN_REQUESTS,
+    TRANSFER_RESULTS,
+    TRANSFERS,
+    Topic,
+)
+from nexuskv.contracts.transfers import TransferResult
+from nexuskv.cost import CostModel
+from nexuskv.descriptor import StateDescriptor
+from nexuskv.errors import BrokerError, ContractError, NexusKVError
+from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.lookup import IndexView, LookupResult
+from nexuskv.models import KNOWN_MODELS, known_model
+from nexuskv.planner import Plan, PlanQuery, explain, plan
+from nexuskv.policy import ExecutionPolicy, PolicyFile
+from nexuskv.prefetch import Effect, Fallback, PrefetchScheduler, effect_hint
+from nexuskv.profiles import shipped_cost_model
+from streams import tuning
+from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
+from streams.cost_models import CostModelReplica
+
+__all__ = ["SERVICE", "NullIndexView", "DescriptorRegistry", "Outgoing", "PlannerCore", "PlannerService", "main"]
+
+SERVICE = "nexuskv-planner"
+log = logging.getLogger(__name__)
+
+
+class NullIndexView:
+    """An index that knows nothing: every lookup is a miss (so every decision is a recompute)."""
+
+    def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
+        return LookupResult(num_blocks=len(keys), matches=())
+
+
+class DescriptorRegistry:
+    """Descriptors the planner can resolve by id: the known models, and any a request carried."""
+
+    def __init__(self, descriptors: Iterable[StateDescriptor] = (), *, capacity: int = 4096) -> None:
+        self._known: OrderedDict[str, StateDescriptor] = OrderedDict()
+        self.capacity = capacity
+        for d in descriptors:
+            self.add(d)
+
+    @classmethod
+    def with_known_models(cls) -> DescriptorRegistry:
+        return cls(known_model(name) for name in KNOWN_MODELS)
+
+    def add(self, descriptor: StateDescriptor) -> None:
+        self._known[descriptor.descriptor_id] = descriptor
+        self._known.move_to_end(descriptor.descriptor_id)
+        while len(self._known) > self.capacity:
+            self._known.popitem(last=False)
+
+    def resolve(self, request: PlanRequest) -> StateDescriptor | None:
+        if request.descriptor is not None:
+            self.add(request.descriptor)
+            return request.descriptor
+        return self._known.get(request.scope.descriptor_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One record to publish."""
+
+    topic: Topic
+    key: str
+    value: Contract
+
+
+def plan_records(p: Plan) -> list[Outgoing]:
+    """The records that publish a plan: its decision, hints and transfer commands."""
+    out = [Outgoing(DECISIONS, p.decision.request_id, p.decision)]
+    out.extend(Outgoing(PLACEMENT, f"{h.tenant_namespace}/{h.prefix_root}", h) for h in p.hints)
+    out.extend(Outgoing(TRANSFERS, t.destination.worker, t) for t in p.transfers)
+    return out
+
+
+def effect_records(effects: Iterable[Effect], *, now: float) -> list[Outgoing]:
+    out: list[Outgoing] = []
+    for e in effects:
+        if isinstance(e, Fallback):
+            out.append(Outgoing(DECISIONS, e.request_id, e.decision))
+        else:
+            hint = effect_hint(e, now=now)
+            out.append(Outgoing(PLACEMENT, f"{hint.tenant_namespace}/{hint.prefix_root}", hint))
+    return out
+
+
+class PlannerCore:
+    """Everything between bytes in and records out, without I/O; the clock is passed in."""
+
+    def __init__(self, index: IndexView, *, model: Callable[[], CostModel], policy: Callable[[], ExecutionPolicy],
+                 descriptors: DescriptorRegistry, identity_secret: bytes = b"", seen_capacity: int = 100_000) -> None:
+        self.index = index
+        self.model = model
+        self.policy = policy
+        self.descriptors = descriptors
+        self.secret = identity_secret
+        self.scheduler = PrefetchScheduler(policy())
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_capacity = seen_capacity
+        self.planned = 0
+        self.duplicates = 0
+
+    def query_of(self, request: PlanRequest) -> PlanQuery:
+        """The planner's query; raises ContractError when the request cannot be planned."""
+        descriptor = self.descriptors.resolve(request)
+        if descriptor is None:
+            raise ContractError(f"descriptor {request.scope.descriptor_id} is unknown to this planner: "
+                                "send the descriptor with the request", path="scope.descriptor_id")
+        if descriptor.block_size != request.block_size:
+            raise ContractError(f"block_size {request.block_size} differs from the descriptor's "
+                                f"{descriptor.block_size}", path="block_size")
+        keys = None
+        if request.token_ids is not None:
+            keys = BlockKeyer(request.scope, request.block_size, self.secret).keys(request.token_ids)
+        return PlanQuery.from_request(request, descriptor, keys)
+
+    def plan_request(self, request: PlanRequest, *, now: float) -> Plan:
+        query = self.query_of(request)
+        lookup = self.index.lookup(query.scope, query.keys)
+        policy = self.policy()
+        p = plan(query, lookup, self.model(), policy, now=now,
+                 headroom=self.scheduler.headroom(query.scope.tenant_namespace))
+        self.scheduler.track(p, now=now)
+        return p
+
+    def on_request(self, raw: bytes, *, now: float) -> list[Outgoing]:
+        """Records for one plan request ([] for a duplicate); raises NexusKVError for bad input."""
+        request = cast(PlanRequest, codec.decode(PLAN_REQUESTS, raw))
+        if request.request_id in self._seen:
+            self.duplicates += 1
+            return []
+        p = self.plan_request(request, now=now)
+        self._seen[request.request_id] = None
+        while len(self._seen) > self._seen_capacity:
+            self._seen.popitem(last=False)
+        self.planned += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", explain(p.decision))
+        return plan_records(p)
+
+    def on_result(self, raw: bytes, *, now: float) -> list[Outgoing]:
+        result = cast(TransferResult, codec.decode(TRANSFER_RESULTS, raw))
+        return effect_records(self.scheduler.complete(result, now=now), now=now)
+
+    def on_tick(self, *, now: float) -> list[Outgoing]:
+        effects = self.scheduler.tick(now=now)
+        self.scheduler.forget(before=now - 300.0)
+        return effect_records(effects, now=now)
+
+
+class PlannerService:
+    """The planner on the bus: consume, decide, produce, commit."""
+
+    def __init__(self, url: BrokerUrl, index: IndexView, *, base_model: CostModel | None = None,
+                 policy: ExecutionPolicy | None = None, policy_file: Path | None = None,
+                 descriptors: DescriptorRegistry | None = None, identity_secret: bytes = b"",
+                 clock: Callable[[], float] = time.time, service: str = SERVICE, group_id: str | None = None,
+                 policy_reload_s: float = 1.0, tick_s: float = 0.02, commit_s: float = 0.1) -> None:
+        self.url = url
+        self.service = service
+        self.group_id = group_id or service
+        self.clock = clock
+        self.policy_file = PolicyFile(policy_file) if policy_file is not None else None
+        self._policy = policy or (self.policy_file.current if self.policy_file else ExecutionPolicy(version="builtin"))
+        self.replica = CostModelReplica(url, base_model or shipped_cost_model(), service=service, clock=clock)
+        self.core = PlannerCore(index, model=lambda: self.replica.model, policy=lambda: self.policy,
+                                descriptors=descriptors or DescriptorRegistry.with_known_models(),
+                                identity_secret=identity_secret)
+        self.policy_reload_s = policy_reload_s
+        self.tick_s = tick_s
+        self.commit_s = commit_s
+        self._acked: dict[TopicPartition, int] = {}  # next offset to commit, once its outputs are acked
+        self.rejected = 0
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def policy(self) -> ExecutionPolicy:
+        return self._policy
+
+    async def start(self, *, timeout_s: float = 30.0) -> None:
+        """Connect, join the group, start following the cost models; returns once partitions are held."""
+        self._producer = make_producer(self.url, client_id=self.service, **tuning.LOW_LATENCY_PRODUCER)
+        await self._producer.start()
+        await self.replica.start(timeout_s=timeout_s)
+        self._consumer = make_consumer(self.url, PLAN_REQUESTS, TRANSFER_RESULTS, client_id=self.service,
+                                       group_id=self.group_id, **tuning.LOW_LATENCY_CONSUMER)
+        await self._consumer.start()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._consumer.assignment():
+            if asyncio.get_running_loop().time() > deadline:
+                raise NexusKVError(f"{self.service}: no partitions assigned within {timeout_s:.0f}s")
+            await asyncio.sleep(0.02)
+        self._tasks = [asyncio.create_task(self._serve(), name=f"{self.service}-serve"),
+                       asyncio.create_task(self.replica.run(self._producer), name=f"{self.service}-cost-models"),
+                       asyncio.create_task(self._tick(), name=f"{self.service}-tick"),
+                       asyncio.create_task(self._commit_loop(), name=f"{self.service}-commit")]
+        log.info("%s: serving with policy %s, cost model %s", self.service, self.policy.tag, self.replica.model.version)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._commit()
+            await self._consumer.stop()
+        await self.replica.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def _send_all(self, records: list[Outgoing]) -> None:
+        if self._producer is None:
+            raise BrokerError(f"{self.service}: not started")
+        futures = [await self._producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode())
+                   for r in records]
+        if futures:
+            await asyncio.gather(*futures)
+
+    async def _serve(self) -> None:
+        consumer, producer = self._consumer, self._producer
+        if consumer is None or producer is None:
+            raise BrokerError(f"{self.service}: not started")
+        while True:
+            batches = await consumer.getmany(timeout_ms=200, max_records=512)
+            if not batches:
+                continue
+            out: list[Outgoing] = []
+            for records in batches.values():
+                for rec in records:
+                    now = self.clock()
+                    try:
+                        if rec.topic == PLAN_REQUESTS.name:
+                            out.extend(self.core.on_request(rec.value, now=now))
+                        else:
+                            out.extend(self.core.on_result(rec.value, now=now))
+                    except Exception as exc:  # noqa: BLE001 - bad input (or a bug) must not stop the service
+                        self.rejected += 1
+                        if isinstance(exc, NexusKVError):
+                            log.warning("%s: rejected %s@%d/%d: %s", self.service, rec.topic, rec.partition,
+                                        rec.offset, exc)
+                        else:
+                            log.exception("%s: failed on %s@%d/%d", self.service, rec.topic, rec.partition, rec.offset)
+                        await send_dead_letter(producer, dead_letter_for(rec.topic, rec, exc, service=self.service,
+                                                                         now=now))
+            await self._send_all(out)
+            for tp, records in batches.items():
+                self._acked[tp] = records[-1].offset + 1
+
+    async def _commit(self) -> None:
+        if self._acked and self._consumer is not None:
+            offsets, self._acked = self._acked, {}
+            await self._consumer.commit(offsets)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_s)
+            await self._commit()
+
+    async def _tick(self) -> None:
+        last_reload = self.clock()
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = self.clock()
+            records = self.core.on_tick(now=now)
+            if records:
+                await self._send_all(records)
+            if self.policy_file is not None and now - last_reload >= self.policy_reload_s:
+                last_reload = now
+                self._reload_policy()
+
+    def _reload_policy(self) -> None:
+        outcome = self.policy_file.poll() if self.policy_file is not None else None
+        if outcome is None:
+            return
+        if outcome.error is not None:
+            log.error("%s: policy edit refused, %s stays in force:\n%s", self.service, self.policy.tag,
+                      outcome.error.describe())
+            return
+        if outcome.changed:
+            self._policy = outcome.policy
+            self.core.scheduler.update_policy(outcome.policy)
+            log.info("%s: policy %s in force", self.service, outcome.policy.tag)
+
+
+async def _run(settings: Settings, url: BrokerUrl) -> None:  # pragma: no cover - exercised by `nexuskv up`
+    from streams.replica import IndexReplica
+
+    # The planner's index: an in-process replica of every kv-events partition, bootstrapped from the
+    # index workers' checkpoints, so lookups never cross the bus.
+    replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
+                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index", client_id="nexuskv-planner-index")
+    await replica.start(timeout_s=settings.broker_start_timeout_s)
+    service = PlannerService(url, replica, policy_file=settings.policy_file,
+                             identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)
+    await service.start(timeout_s=settings.broker_start_timeout_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()
+        await replica.stop()
+
+
+def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
+    from streams.broker import open_bus
+
+    settings = Settings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(_run(settings, url))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
