@@ -2,9 +2,11 @@
 
 Tables (one row per record consumed; re-delivered records are ignored by primary key):
 
-``decisions`` — one row per planner decision (``nexuskv.decisions``). Predicted terms in
-seconds; ``matched_tokens`` is the longest *certain* match the index reported among the
-alternatives (the logical hit), ``reused_tokens`` what the chosen action reuses.
+``decisions`` — one row per planner decision and revision (``nexuskv.decisions``; a later
+revision — a prefetch that missed its deadline, a failed transfer — supersedes the admission
+plan, and the views read the latest). Predicted terms in seconds; ``matched_tokens`` is the
+longest match the index reported among the alternatives (the logical hit, whether or not it
+was usable), ``reused_tokens`` what the chosen action reuses.
 
 ``transfer_results`` — one row per transfer outcome (``nexuskv.transfer-results``).
 
@@ -30,31 +32,39 @@ __all__ = ["TABLES", "VIEWS", "ALL_VIEWS"]
 TABLES: dict[str, str] = {
     "decisions": """
         CREATE TABLE IF NOT EXISTS decisions (
-            request_id VARCHAR PRIMARY KEY,
+            request_id VARCHAR NOT NULL,
+            revision INTEGER NOT NULL,             -- 0 at admission; a later revision supersedes it
             decided_at DOUBLE NOT NULL,            -- seconds since the epoch
             tenant VARCHAR NOT NULL,
             workload VARCHAR,
             action VARCHAR NOT NULL,               -- full_reuse | partial_reuse | route_to_state | transfer | prefetch | recompute
             worker VARCHAR NOT NULL,
+            baseline_worker VARCHAR,               -- where recomputing is fastest
             source_worker VARCHAR, source_tier VARCHAR,
             destination_worker VARCHAR, destination_tier VARCHAR,
+            backend VARCHAR,
             prompt_tokens BIGINT NOT NULL,
             matched_tokens BIGINT NOT NULL,        -- longest certain index match among alternatives
             reused_tokens BIGINT NOT NULL,
             reused_blocks BIGINT NOT NULL,
             deadline_at DOUBLE,
             t_compute_s DOUBLE NOT NULL,           -- predicted recompute of the whole prompt
+            t_tail_s DOUBLE,                       -- compute of the tokens not reused
             t_with_reuse_s DOUBLE NOT NULL,        -- predicted TTFT along the chosen action
             lookup_s DOUBLE, queue_s DOUBLE, transfer_s DOUBLE, overlap_s DOUBLE,
             restore_s DOUBLE, sync_s DOUBLE, interference_s DOUBLE, t_cache_s DOUBLE,
             eg_s DOUBLE NOT NULL,                  -- predicted Effective Gain
+            eg_std_s DOUBLE,
             eg_lower_s DOUBLE NOT NULL,            -- the conservative bound the gate used
+            p_use DOUBLE,                          -- prefetch: P(ready in time and consumed)
             reason VARCHAR NOT NULL,
             alternatives_json VARCHAR NOT NULL,    -- every option weighed, with its numbers
+            alternatives_total INTEGER,
             policy_version VARCHAR NOT NULL,
             cost_model_version VARCHAR NOT NULL,
             index_lag_events BIGINT, index_lag_ms DOUBLE,
-            trace_id VARCHAR
+            trace_id VARCHAR,
+            PRIMARY KEY (request_id, revision)
         )""",
     "transfer_results": """
         CREATE TABLE IF NOT EXISTS transfer_results (
@@ -111,7 +121,7 @@ SELECT d.*,
        d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_status, 'completed') <> 'not_found'
            AS physical_hit,
        d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_ok, true) AS ready_hit
-FROM decisions d
+FROM (SELECT * FROM decisions QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY revision DESC) = 1) d
 LEFT JOIN prefill p USING (request_id)
 LEFT JOIN moved m USING (request_id)
 """
@@ -162,14 +172,14 @@ VIEWS: dict[str, str] = {
     "fallback_reasons": """
         CREATE OR REPLACE VIEW fallback_reasons AS
         SELECT 'decision' AS source, action AS outcome, reason, count(*) AS n
-        FROM decisions WHERE action = 'recompute' GROUP BY ALL
+        FROM request_outcomes WHERE action = 'recompute' GROUP BY ALL
         UNION ALL
         SELECT 'transfer', status, coalesce(error, status), count(*)
         FROM transfer_results WHERE status <> 'completed' GROUP BY ALL
         UNION ALL
         SELECT 'alternative', json_extract_string(a.value, '$.action'),
                json_extract_string(a.value, '$.rejected_reason'), count(*)
-        FROM decisions, json_each(alternatives_json) AS a
+        FROM request_outcomes, json_each(alternatives_json) AS a
         WHERE json_extract_string(a.value, '$.rejected_reason') IS NOT NULL GROUP BY ALL
         ORDER BY n DESC""",
     "transfer_bandwidth": """

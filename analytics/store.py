@@ -38,7 +38,7 @@ def _columns(ddl: str) -> list[str]:
         line = line.split("--")[0].strip().rstrip(",")
         for part in line.split(","):
             words = part.strip().split()
-            if words and words[0].isidentifier():
+            if words and words[0].isidentifier() and words[0].upper() not in ("PRIMARY", "UNIQUE", "CHECK"):
                 cols.append(words[0])
     return cols
 
@@ -49,20 +49,22 @@ COLUMNS: dict[str, list[str]] = {name: _columns(ddl) for name, ddl in TABLES.ite
 def decision_row(d: Decision) -> dict[str, Any]:
     matched = max((a.reused_tokens for a in d.alternatives), default=0)
     return {
-        "request_id": d.request_id, "decided_at": d.decided_at, "tenant": d.tenant_namespace,
-        "workload": d.workload, "action": d.action.value, "worker": d.worker,
+        "request_id": d.request_id, "revision": d.revision, "decided_at": d.decided_at, "tenant": d.tenant_namespace,
+        "workload": d.workload, "action": d.action.value, "worker": d.worker, "baseline_worker": d.baseline_worker,
+        "backend": d.backend,
         "source_worker": d.source.worker if d.source else None,
         "source_tier": d.source.tier.value if d.source else None,
         "destination_worker": d.destination.worker if d.destination else None,
         "destination_tier": d.destination.tier.value if d.destination else None,
         "prompt_tokens": d.prompt_tokens, "matched_tokens": max(matched, d.reused_tokens),
         "reused_tokens": d.reused_tokens, "reused_blocks": d.reused_blocks, "deadline_at": d.deadline_at,
-        "t_compute_s": d.t_compute_s, "t_with_reuse_s": d.t_with_reuse_s,
+        "t_compute_s": d.t_compute_s, "t_tail_s": d.t_tail_s, "t_with_reuse_s": d.t_with_reuse_s,
         "lookup_s": d.terms.lookup_s, "queue_s": d.terms.queue_s, "transfer_s": d.terms.transfer_s,
         "overlap_s": d.terms.overlap_s, "restore_s": d.terms.restore_s, "sync_s": d.terms.sync_s,
         "interference_s": d.terms.interference_s, "t_cache_s": d.terms.total_s,
-        "eg_s": d.eg_s, "eg_lower_s": d.eg_lower_s, "reason": d.reason,
+        "eg_s": d.eg_s, "eg_std_s": d.eg_std_s, "eg_lower_s": d.eg_lower_s, "p_use": d.p_use, "reason": d.reason,
         "alternatives_json": json.dumps([a.model_dump(mode="json") for a in d.alternatives]),
+        "alternatives_total": d.alternatives_total,
         "policy_version": d.policy_version, "cost_model_version": d.cost_model_version,
         "index_lag_events": d.index_lag_events, "index_lag_ms": d.index_lag_ms, "trace_id": d.trace_id,
     }

@@ -58,7 +58,7 @@ async def test_sink_writes_each_record_once_and_dead_letters_bad_ones(kafka_url,
                                 lambda s: s.stats.written["decisions"] >= 20 and s.stats.dead_lettered >= 1)
         mine = f"SELECT count(*) FROM decisions WHERE request_id LIKE '{tag}-%'"
         assert store.query(mine) == [(20,)]
-        assert first.stats.dead_lettered == 1
+        assert first.stats.dead_lettered >= 1  # ours, and any other test's malformed records on the shared topic
         assert store.query(f"SELECT count(*) FROM request_outcomes WHERE request_id LIKE '{tag}-%' "
                            "AND observed_ttft_s IS NOT NULL") == [(20,)]
         # A second sink in the same group starts after the committed offsets: nothing is written twice.

@@ -99,3 +99,13 @@ def test_report_prints_tables_and_writes_pngs(tmp_path):
                                               "prediction_error.png", "ttft_cdf.png"]
     for p in plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000
+
+
+def test_a_later_revision_supersedes_the_admission_plan(tmp_path):
+    with populated(tmp_path / "d.duckdb") as store:
+        superseded = decision(1, Action.RECOMPUTE).model_copy(update={"revision": 1, "reason": "prefetch missed"})
+        assert store.write_all([superseded])["decisions"] == 1
+        assert store.query("SELECT count(*) FROM decisions WHERE request_id = 'r1'") == [(2,)]
+        assert store.query("SELECT action, revision, reason FROM request_outcomes WHERE request_id = 'r1'") == [
+            ("recompute", 1, "prefetch missed")]
+        assert store.query("SELECT count(*) FROM request_outcomes") == [(3,)]
