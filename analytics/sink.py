@@ -32,6 +32,7 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import NexusKVError
+from streams.telemetry import METRICS, span_from_record
 
 __all__ = ["DecisionSink", "SinkStats"]
 
@@ -104,8 +105,12 @@ class DecisionSink:
         self.stats.consumed += 1
         topic = _TOPICS[record.topic]
         try:
-            value = decode_record(topic, record)
+            with span_from_record("decision-sink", "record." + record.topic.removeprefix("nexuskv."),
+                                  record.headers, {"kafka.partition": record.partition,
+                                                   "kafka.offset": record.offset}):
+                value = decode_record(topic, record)
         except NexusKVError as exc:
+            METRICS.events_rejected.labels("decision-sink", record.topic).inc()
             await send_dead_letter(producer, dead_letter_for(record.topic, record, exc, service="decision-sink",
                                                              now=time.time()))
             self.stats.dead_lettered += 1

@@ -40,7 +40,9 @@ __all__ = [
     "install_tracer_provider",
     "serve_metrics",
     "setup_tracing",
+    "reason_code",
     "span_from_record",
+    "start_span_from_record",
     "tracer",
 ]
 
@@ -99,6 +101,24 @@ def span_from_record(service: str, name: str, headers: Sequence[tuple[str, bytes
     with tracer(service).start_as_current_span(name, context=parent, kind=trace.SpanKind.CONSUMER,
                                                attributes=attrs) as span:
         yield span
+
+
+def start_span_from_record(service: str, name: str, headers: Sequence[tuple[str, bytes]] | dict | None,
+                           attributes: dict[str, Any] | None = None) -> trace.Span:
+    """A started (not current) span continuing a record's trace; end it, or ``trace.use_span`` it."""
+    attrs = {"nexuskv.service": service, **(attributes or {})}
+    return tracer(service).start_span(name, context=_context_of(headers), kind=trace.SpanKind.CONSUMER,
+                                      attributes=attrs)
+
+
+def reason_code(reason: str) -> str:
+    """A bounded metric label for a decision reason: its text up to the first ':' or digit."""
+    head = reason.split(":", 1)[0]
+    for i, ch in enumerate(head):
+        if ch.isdigit():
+            head = head[:i]
+            break
+    return head.strip()[:40] or "unspecified"
 
 
 def decision_attributes(decision: Any) -> dict[str, Any]:
