@@ -32,7 +32,7 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import NexusKVError
-from streams.telemetry import METRICS, span_from_record
+from streams.telemetry import METRICS, init_service, span_from_record
 
 __all__ = ["DecisionSink", "SinkStats"]
 
@@ -84,6 +84,9 @@ class DecisionSink:
                     for record in records:
                         await self._take(record, producer)
                         self._offsets[tp] = record.offset + 1
+                    high = consumer.highwater(tp)
+                    if high is not None:
+                        METRICS.consumer_lag.labels("decision-sink", tp.topic).set(max(0, high - records[-1].offset - 1))
                 now = time.monotonic()
                 pending = len(self._decisions) + len(self._results) + len(self._observations)
                 if pending >= self.batch_records or (self._offsets and now - last_flush >= self.flush_interval_s):
@@ -152,7 +155,7 @@ async def _serve(settings: Settings, url: BrokerUrl) -> None:
 
 def main() -> int:
     settings = Settings.from_env()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service("decision-sink", settings)
     from streams.broker import open_bus
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:

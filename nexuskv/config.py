@@ -117,7 +117,8 @@ class Settings(BaseModel):
         None,
     )
     metrics_port: int = _env(
-        "NEXUSKV_METRICS_PORT", "Port of a service's Prometheus `/metrics` endpoint; 0: off.", 0, ge=0, le=65535
+        "NEXUSKV_METRICS_PORT", "Port of a service's Prometheus `/metrics` endpoint; 0: off. `nexuskv up` "
+        "gives its services this port, +1, +2, ... in start order.", 0, ge=0, le=65535
     )
     decision_db: Path | None = _env(
         "NEXUSKV_DECISION_DB",

@@ -75,7 +75,7 @@ from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
 from streams.cost_models import CostModelReplica
-from streams.telemetry import METRICS, carrier_headers, decision_attributes, reason_code, span_from_record, tracer
+from streams.telemetry import METRICS, carrier_headers, decision_attributes, init_service, reason_code, span_from_record, tracer
 
 __all__ = ["SERVICE", "NullIndexView", "DescriptorRegistry", "Outgoing", "PlannerCore", "PlannerService", "main"]
 
@@ -397,7 +397,7 @@ def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
     from streams.broker import open_bus
 
     settings = Settings.from_env()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service(SERVICE, settings)
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(_run(settings, url))
 

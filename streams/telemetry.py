@@ -37,6 +37,7 @@ __all__ = [
     "REGISTRY",
     "carrier_headers",
     "decision_attributes",
+    "init_service",
     "install_tracer_provider",
     "serve_metrics",
     "setup_tracing",
@@ -167,6 +168,13 @@ class _Metrics:
 
 
 METRICS = _Metrics(REGISTRY)
+
+
+def init_service(service: str, settings: Any) -> None:
+    """What every service process does first: logging, trace export, the metrics endpoint."""
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(service, settings.otlp_endpoint)
+    serve_metrics(settings.metrics_port)
 
 
 def serve_metrics(port: int) -> bool:

@@ -45,7 +45,7 @@ from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError, TierUnavailableError
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
 from streams.routing import route
-from streams.telemetry import METRICS, start_span_from_record
+from streams.telemetry import METRICS, init_service, start_span_from_record
 
 __all__ = ["TransferService", "catalog_from_settings", "main"]
 
@@ -183,7 +183,7 @@ def catalog_from_settings(settings: Settings, *, wait_s: float | None = None) ->
 def main() -> int:
     try:
         settings = Settings.from_env()
-        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        init_service(SERVICE, settings)
         url = settings.broker_url
         if url is None:
             raise ConfigError("NEXUSKV_BROKER", "the transfer executor needs a broker (nexuskv up sets it)")
