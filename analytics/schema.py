@@ -15,7 +15,8 @@ load observations share the table; columns that do not apply are NULL.
 
 ``request_outcomes`` (view) — decisions joined with what happened: the prefill observed for the
 request, its transfer outcome, the observed time to first token
-(``observed_ttft_s = prefill duration + visible transfer time``) and the observed Effective Gain
+(``observed_ttft_s = queue wait + prefill duration + visible transfer time``, the wait as the
+engine reported it) and the observed Effective Gain
 ``observed_eg_s = t_compute_s - observed_ttft_s`` (``t_compute_s`` is the calibrated recompute
 prediction of the whole prompt: the counterfactual is, by construction, never observed).
 
@@ -87,7 +88,7 @@ TABLES: dict[str, str] = {
             trace_id VARCHAR,
             worker VARCHAR,
             model VARCHAR, profile VARCHAR,
-            uncached_tokens BIGINT, context_tokens BIGINT,
+            uncached_tokens BIGINT, context_tokens BIGINT, queued_s DOUBLE,
             source_tier VARCHAR, destination_tier VARCHAR, backend VARCHAR,
             bytes BIGINT, pages BIGINT, ok BOOLEAN,
             queued_prefill_tokens BIGINT, decode_blocks BIGINT, active_requests BIGINT,
@@ -98,7 +99,8 @@ TABLES: dict[str, str] = {
 _OUTCOMES = """
 CREATE OR REPLACE VIEW request_outcomes AS
 WITH prefill AS (
-    SELECT request_id, sum(duration_s) AS prefill_s, sum(uncached_tokens) AS computed_tokens
+    SELECT request_id, sum(duration_s) AS prefill_s, sum(uncached_tokens) AS computed_tokens,
+           coalesce(max(queued_s), 0) AS queued_s
     FROM observations WHERE kind = 'prefill' AND request_id IS NOT NULL GROUP BY request_id
 ), moved AS (
     SELECT request_id,
@@ -109,13 +111,14 @@ WITH prefill AS (
     FROM transfer_results GROUP BY request_id
 )
 SELECT d.*,
-       p.prefill_s, p.computed_tokens,
+       p.prefill_s, p.computed_tokens, p.queued_s AS observed_queue_s,
        m.transfer_ok, m.transfer_observed_s, m.bytes_moved, m.transfer_status,
        CASE WHEN p.prefill_s IS NULL THEN NULL
-            ELSE p.prefill_s + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0)
+            ELSE p.queued_s + p.prefill_s + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0)
        END AS observed_ttft_s,
        CASE WHEN p.prefill_s IS NULL THEN NULL
-            ELSE d.t_compute_s - (p.prefill_s + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0))
+            ELSE d.t_compute_s - (p.queued_s + p.prefill_s
+                                  + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0))
        END AS observed_eg_s,
        d.matched_tokens > 0 AS logical_hit,
        d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_status, 'completed') <> 'not_found'

@@ -87,7 +87,7 @@ def observation_row(rec: ObservationRecord, observation_id: str) -> dict[str, An
                trace_id=rec.trace_id, worker=o.worker, duration_s=getattr(o, "duration_s", None))
     if isinstance(o, PrefillObservation):
         row.update(model=o.model, profile=o.profile, uncached_tokens=o.uncached_tokens,
-                   context_tokens=o.context_tokens)
+                   context_tokens=o.context_tokens, queued_s=o.queued_s)
     elif isinstance(o, TransferObservation):
         row.update(source_tier=o.source_tier.value, destination_tier=o.destination_tier.value, backend=o.backend,
                    bytes=o.bytes, pages=o.pages, ok=o.ok)

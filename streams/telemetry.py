@@ -38,6 +38,7 @@ __all__ = [
     "carrier_headers",
     "decision_attributes",
     "init_service",
+    "quiet_libraries",
     "install_tracer_provider",
     "serve_metrics",
     "setup_tracing",
@@ -170,9 +171,17 @@ class _Metrics:
 METRICS = _Metrics(REGISTRY)
 
 
+def quiet_libraries(level: str) -> None:
+    """Client libraries log every group join and rebalance at INFO: keep them to warnings unless debugging."""
+    if level != "DEBUG":
+        for name in ("aiokafka", "kafka", "faust", "mode"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def init_service(service: str, settings: Any) -> None:
     """What every service process does first: logging, trace export, the metrics endpoint."""
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_libraries(settings.log_level)
     setup_tracing(service, settings.otlp_endpoint)
     serve_metrics(settings.metrics_port)
 

@@ -42,7 +42,7 @@ from nexuskv.dataplane.disk import DiskBackend
 from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
-from nexuskv.errors import ConfigError, ContractError, NexusKVError, TierUnavailableError
+from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
 from streams.routing import route
 from streams.telemetry import METRICS, init_service, start_span_from_record
@@ -168,15 +168,8 @@ def catalog_from_settings(settings: Settings, *, wait_s: float | None = None) ->
     backends = [DeviceMemoryBackend(settings.tier_device_bytes), HostMemoryBackend(settings.tier_host_bytes),
                 DiskBackend(root, settings.tier_disk_bytes)]
     if settings.remote_tier:
-        deadline = time.monotonic() + (settings.broker_start_timeout_s if wait_s is None else wait_s)
-        while True:
-            try:
-                backends.append(RemoteBackend(settings.remote_tier))
-                break
-            except TierUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        backends.append(RemoteBackend.connect(settings.remote_tier,
+                                              wait_s=settings.broker_start_timeout_s if wait_s is None else wait_s))
     return BackendCatalog(settings.worker, backends)
 
 

@@ -39,6 +39,7 @@ class PrefillObservation(Contract):
     uncached_tokens: Count
     context_tokens: Count
     duration_s: Seconds
+    queued_s: Seconds | None = None  # how long the request waited for the engine before this prefill
 
 
 class TransferObservation(Contract):

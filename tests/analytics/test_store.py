@@ -57,7 +57,7 @@ def populated(path) -> DecisionStore:
 
 def test_columns_match_the_contract_rows():
     assert COLUMNS["decisions"][0] == "request_id" and "alternatives_json" in COLUMNS["decisions"]
-    assert len(COLUMNS["observations"]) == 20
+    assert len(COLUMNS["observations"]) == 21 and "revision" in COLUMNS["decisions"]
 
 
 def test_writes_are_idempotent_and_every_view_has_rows(tmp_path):
