@@ -30,7 +30,6 @@ each worker holds in each tier after the batches produced so far.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ import numpy as np
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.trace import HASH_BLOCK_TOKENS, TraceRequest
+from nexuskv.trace import load_trace as _load_trace
 
 __all__ = ["TraceRequest", "load_trace", "TraceReplay", "CONVERSATION_TRACE", "CONVERSATION_SLICE", "SYNTHETIC_TRACE",
            "HASH_BLOCK_TOKENS", "BLOCK_TOKENS"]
@@ -57,7 +58,6 @@ CONVERSATION_SLICE = _SLICES / "conversation_trace_head1000.jsonl"
 SYNTHETIC_TRACE = (_SHARED_TRACES / "synthetic_trace.jsonl"
                    if (_SHARED_TRACES / "synthetic_trace.jsonl").is_file()
                    else _SLICES / "synthetic_trace_head400.jsonl")
-HASH_BLOCK_TOKENS = 512
 BLOCK_TOKENS = 16
 PER_HASH = HASH_BLOCK_TOKENS // BLOCK_TOKENS
 MAX_BLOCKS_PER_BATCH = 2048  # keeps a batch's payload well under the producer's 1 MiB
@@ -66,24 +66,9 @@ VOCAB = 128_000
 Block = tuple[int, int]  # (hash id, 16-token block within it)
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
 def load_trace(path: Path = CONVERSATION_TRACE, *, limit: int | None = None) -> list[TraceRequest]:
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
-            out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
-                                    tuple(int(h) for h in row["hash_ids"])))
-    return out
+    """:func:`nexuskv.trace.load_trace`, defaulting to the conversation trace."""
+    return _load_trace(path, limit=limit)
 
 
 def _tokens_of(hash_id: int) -> np.ndarray:

@@ -244,11 +244,14 @@ class ReferenceRuntime:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], *, reuse: bool = True, reuse_tokens: int | None = None) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], *, reuse: bool = True, reuse_tokens: int | None = None,
+                request_id: str | None = None, queued_s: float | None = None) -> PrefillResult:
         """Compute the prompt's next-token logits, restoring cached state where legal.
 
         ``reuse=False`` recomputes everything; ``reuse_tokens`` asks to restore exactly that many
         tokens (refused, with the reason, when illegal: the prompt then recomputes in full).
+        ``request_id`` labels the prefill observation, so outcomes join their decisions, and
+        ``queued_s`` records how long the request waited for this engine (the scheduler knows it).
         Stores the prompt's new full blocks (and checkpoints) in the pages and publishes their
         events and a prefill observation.
         """
@@ -277,9 +280,9 @@ class ReferenceRuntime:
             self.checkpoints.unpin_all()
         self._events.flush()
         duration = time.perf_counter() - t0
-        self.publisher(ObservationRecord(observed_at=self.clock(), observation=PrefillObservation(
+        self.publisher(ObservationRecord(observed_at=self.clock(), request_id=request_id, observation=PrefillObservation(
             model=self.descriptor.model, profile=self.profile, worker=self.worker, uncached_tokens=n - p,
-            context_tokens=n, duration_s=duration)))
+            context_tokens=n, duration_s=duration, queued_s=queued_s)))
         return PrefillResult(logits=out.logits, prompt_tokens=n, reused_tokens=p, computed_tokens=n - p,
                              stored_blocks=stored, duration_s=duration, reason=reason)
 
