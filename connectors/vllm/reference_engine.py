@@ -99,7 +99,7 @@ class ReferenceEngine:
         good = next((i for i, page in enumerate(pages) if page in failed), len(pages))
         rt.release_blocks(tokens, start + good, end)
         rt.adopt_blocks(tokens, start, start + good)
-        result = rt.prefill(tokens, reuse_tokens=computed + good * bs)
+        result = rt.prefill(tokens, reuse_tokens=computed + good * bs, request_id=request_id)
         full = rt.block_ids(tokens, len(tokens) // bs) or []
         keep, _params = sched.request_finished(request_id, tokens, full)
         saved = 0
