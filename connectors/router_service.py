@@ -57,6 +57,7 @@ from nexuskv.profiles import shipped_cost_model
 from streams.bus import make_consumer, make_producer
 from streams.cost_models import CostModelReplica
 from streams.replica import IndexReplica
+from streams.telemetry import init_service
 
 __all__ = ["PlacementFollower", "RouterService", "make_router_app", "outcome_json", "main"]
 
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except NexusKVError as exc:
         print(f"nexuskv router: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service("router", settings)
     asyncio.run(_serve(args, settings, url))
     return 0
 

@@ -1,8 +1,9 @@
 """The vLLM shell around the connector core: lazy vLLM import, configuration, vLLM's block hashes.
 
-vLLM cannot be installed here, so the shell's class is not built in these tests; what can run
-without vLLM does: the module imports without it, its configuration is parsed and refused by
-field, and the hashes the connector puts in its tier events are vLLM's (engines.md §2.2).
+vLLM cannot be installed here, so the shell's class is not built in these tests; what runs
+without vLLM is tested: the module imports without it, its configuration is parsed and refused
+by field, the hashes in its tier events are vLLM's (engines.md §2.2), and the two sides as the
+shell builds them (background bus, disk tier, file probe) serve a reloaded prompt over Kafka.
 """
 
 from __future__ import annotations
