@@ -12,7 +12,8 @@ Choices (say them when quoting a figure):
   equal tokens and the chained canonical keys reproduce the trace's prefix sharing. The last,
   partial hash id of a request contributes its full 16-token blocks only (vLLM caches full blocks).
 * **Routing.** Request -> worker by the request's second hash id (the first is the shared system
-  prompt of the conversation trace), so a conversation's turns meet their own earlier blocks.
+  prompt of the conversation trace), so a conversation's turns meet their own earlier blocks;
+  a caller that routes by its own policy names the worker (:meth:`TraceReplay.step`).
 * **Workers.** Each has an LRU GPU cache of ``gpu_blocks`` blocks and, if ``host_blocks`` > 0, an
   LRU host tier. A request's missing blocks are stored on the GPU (one ``stored`` run with tokens
   and the parent's engine hash); its blocks are then the most recently used, deepest first to go
@@ -102,6 +103,7 @@ class TraceReplay:
         self.incarnation = incarnation
         self.workers = [_Worker(f"{prefix}-{i}", seed=i, gpu_blocks=gpu_blocks, host_blocks=host_blocks)
                         for i in range(workers)]
+        self._by_name = {w.name: w for w in self.workers}
         self._tokens: dict[int, np.ndarray] = {}
         self.block_ops = 0
 
@@ -137,9 +139,13 @@ class TraceReplay:
         for request in self.requests:
             yield from self.step(request)
 
-    def step(self, request: TraceRequest) -> list[KvEventBatch]:
-        """Serve one request: the batches its worker publishes for it."""
-        w = self.route(request)
+    def worker(self, name: str) -> _Worker:
+        """The simulated worker called ``name`` (KeyError if there is none)."""
+        return self._by_name[name]
+
+    def step(self, request: TraceRequest, worker: str | None = None) -> list[KvEventBatch]:
+        """Serve one request on ``worker`` (default: :meth:`route`'s choice): the batches it publishes."""
+        w = self.route(request) if worker is None else self._by_name[worker]
         blocks = self.blocks_of(request)[: w.gpu_blocks]
         if not blocks:
             return []
