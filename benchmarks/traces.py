@@ -12,7 +12,8 @@ Choices (say them when quoting a figure):
   equal tokens and the chained canonical keys reproduce the trace's prefix sharing. The last,
   partial hash id of a request contributes its full 16-token blocks only (vLLM caches full blocks).
 * **Routing.** Request -> worker by the request's second hash id (the first is the shared system
-  prompt of the conversation trace), so a conversation's turns meet their own earlier blocks.
+  prompt of the conversation trace), so a conversation's turns meet their own earlier blocks;
+  a caller that routes by its own policy names the worker (:meth:`TraceReplay.step`).
 * **Workers.** Each has an LRU GPU cache of ``gpu_blocks`` blocks and, if ``host_blocks`` > 0, an
   LRU host tier. A request's missing blocks are stored on the GPU (one ``stored`` run with tokens
   and the parent's engine hash); its blocks are then the most recently used, deepest first to go
@@ -29,7 +30,6 @@ each worker holds in each tier after the batches produced so far.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +40,8 @@ import numpy as np
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.trace import HASH_BLOCK_TOKENS, TraceRequest
+from nexuskv.trace import load_trace as _load_trace
 
 __all__ = ["TraceRequest", "load_trace", "TraceReplay", "CONVERSATION_TRACE", "CONVERSATION_SLICE", "SYNTHETIC_TRACE",
            "HASH_BLOCK_TOKENS", "BLOCK_TOKENS"]
@@ -56,7 +58,6 @@ CONVERSATION_SLICE = _SLICES / "conversation_trace_head1000.jsonl"
 SYNTHETIC_TRACE = (_SHARED_TRACES / "synthetic_trace.jsonl"
                    if (_SHARED_TRACES / "synthetic_trace.jsonl").is_file()
                    else _SLICES / "synthetic_trace_head400.jsonl")
-HASH_BLOCK_TOKENS = 512
 BLOCK_TOKENS = 16
 PER_HASH = HASH_BLOCK_TOKENS // BLOCK_TOKENS
 MAX_BLOCKS_PER_BATCH = 2048  # keeps a batch's payload well under the producer's 1 MiB
@@ -65,24 +66,9 @@ VOCAB = 128_000
 Block = tuple[int, int]  # (hash id, 16-token block within it)
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
 def load_trace(path: Path = CONVERSATION_TRACE, *, limit: int | None = None) -> list[TraceRequest]:
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
-            out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
-                                    tuple(int(h) for h in row["hash_ids"])))
-    return out
+    """:func:`nexuskv.trace.load_trace`, defaulting to the conversation trace."""
+    return _load_trace(path, limit=limit)
 
 
 def _tokens_of(hash_id: int) -> np.ndarray:
@@ -117,6 +103,7 @@ class TraceReplay:
         self.incarnation = incarnation
         self.workers = [_Worker(f"{prefix}-{i}", seed=i, gpu_blocks=gpu_blocks, host_blocks=host_blocks)
                         for i in range(workers)]
+        self._by_name = {w.name: w for w in self.workers}
         self._tokens: dict[int, np.ndarray] = {}
         self.block_ops = 0
 
@@ -152,9 +139,13 @@ class TraceReplay:
         for request in self.requests:
             yield from self.step(request)
 
-    def step(self, request: TraceRequest) -> list[KvEventBatch]:
-        """Serve one request: the batches its worker publishes for it."""
-        w = self.route(request)
+    def worker(self, name: str) -> _Worker:
+        """The simulated worker called ``name`` (KeyError if there is none)."""
+        return self._by_name[name]
+
+    def step(self, request: TraceRequest, worker: str | None = None) -> list[KvEventBatch]:
+        """Serve one request on ``worker`` (default: :meth:`route`'s choice): the batches it publishes."""
+        w = self.route(request) if worker is None else self._by_name[worker]
         blocks = self.blocks_of(request)[: w.gpu_blocks]
         if not blocks:
             return []

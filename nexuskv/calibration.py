@@ -83,7 +83,10 @@ class RecursiveFit:
         k = [v / denom for v in px]
         err = y - (th[0] * xs[0] + th[1] * xs[1] + th[2] * xs[2])
         for i in range(3):
-            th[i] += k[i] * err
+            # Costs are sums of non-negative terms (a fixed overhead, per token, per token of
+            # context): project the step onto that orthant. Without it a few noisy observations
+            # on a loaded machine drove c0 negative and the planner predicted negative times.
+            th[i] = max(0.0, th[i] + k[i] * err)
         for i in range(3):
             for j in range(3):
                 p[i][j] = (p[i][j] - k[i] * px[j]) / lam

@@ -110,6 +110,22 @@ class Settings(BaseModel):
         "NEXUSKV_BROKER_START_TIMEOUT", "Seconds to wait for a broker to accept connections.", 30.0, gt=0, le=600
     )
     log_level: str = _env("NEXUSKV_LOG_LEVEL", "Python logging level of NexusKV services.", "INFO")
+    otlp_endpoint: str | None = _env(
+        "NEXUSKV_OTLP_ENDPOINT",
+        "OpenTelemetry collector base URL for OTLP/HTTP trace export, e.g. `http://localhost:4318`. "
+        "Unset: spans are not exported.",
+        None,
+    )
+    metrics_port: int = _env(
+        "NEXUSKV_METRICS_PORT", "Port of a service's Prometheus `/metrics` endpoint; 0: off. `nexuskv up` "
+        "gives its services this port, +1, +2, ... in start order.", 0, ge=0, le=65535
+    )
+    decision_db: Path | None = _env(
+        "NEXUSKV_DECISION_DB",
+        "DuckDB file of the decision store (single writer: the decision sink). Unset: "
+        "`$NEXUSKV_DATA_DIR/decisions.duckdb`; readers use the `-snapshot.duckdb` copy beside it.",
+        None,
+    )
     index_max_memberships: int = _env(
         "NEXUSKV_INDEX_MAX_MEMBERSHIPS",
         "Most (block, location) memberships one index holds (~40-64 bytes each); beyond it the index "
@@ -205,6 +221,15 @@ class Settings(BaseModel):
             parse_broker_url(value)
         except ConfigError as exc:
             raise ValueError(exc.message) from None
+        return value.strip()
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http(s):// URL, got {value!r}")
         return value.strip()
 
     @field_validator("remote_tier")

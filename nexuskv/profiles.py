@@ -192,9 +192,44 @@ COMPUTE: tuple[ComputeCost, ...] = tuple(
 )
 
 
+# -- the reference runtime on a CPU (what `nexuskv replay` and the tests run) ------------------------
+#: NexusKV's reference runtime (``nexuskv.runtime``) on the 2-core CI machine: its "GPU" is the
+#: device tier's host-memory stand-in. Measured here, not assumed: the links from
+#: ``benchmarks/bench_copy.py`` (2 MiB payloads: host->device 5.2 GB/s, disk->host 5.1 GB/s,
+#: remote->host 2.5 GB/s; ~20 us of bookkeeping per payload), the compute prior from
+#: ``benchmarks/bench_prefill.py`` (GQA variant: 4.4 ms at 128 tokens ... 68 ms at 1,024). Online
+#: calibration refines both from the runtime's own observations.
+REFERENCE_CPU = "reference-cpu"
+REFERENCE_MODELS = ("nexuskv-reference/gqa", "nexuskv-reference/mla", "nexuskv-reference/hybrid")
+REFERENCE_HARDWARE = HardwareProfile(
+    name=REFERENCE_CPU, hbm_bytes_per_s=20e9, prefill_chunk_tokens=2048, lookup_s=2e-4, sync_s=5e-5,
+    label="reference runtime on 2 CPU cores; device tier is a host-memory stand-in (measured, 2026-11-29)",
+)
+_BENCH = "measured on the CI machine by benchmarks/bench_copy.py (2 MiB payloads)"
+REFERENCE_LINKS: tuple[LinkCost, ...] = (
+    _link(REFERENCE_CPU, Tier.GPU, Tier.GPU, latency=1e-4, per_page=0.0, bandwidth=math.inf, rel_bandwidth=0.0,
+          interference=0.0, label="in place: the runtime's own pages"),
+    _link(REFERENCE_CPU, Tier.HOST, Tier.GPU, latency=2e-4, per_page=2e-5, bandwidth=5.2e9, rel_bandwidth=MEASURED,
+          interference=0.05, label=f"host -> device stand-in 5.2 GB/s, {_BENCH}"),
+    _link(REFERENCE_CPU, Tier.DISK, Tier.GPU, latency=3e-4, per_page=3e-5, bandwidth=5.0e9, rel_bandwidth=MEASURED,
+          interference=0.05, label=f"disk (page cache) -> host 5.1 GB/s, {_BENCH}"),
+    _link(REFERENCE_CPU, Tier.REMOTE, Tier.GPU, latency=1e-3, per_page=3e-5, bandwidth=2.5e9, rel_bandwidth=MEASURED,
+          interference=0.05, label=f"remote tier over loopback TCP -> host 2.5 GB/s, {_BENCH}"),
+)
+#: T = c0 + c1*e + c2*e*s fitted to bench_prefill's GQA medians (c0 2 ms, c1 15 us/token,
+#: c2 5e-8 s/token^2); the MLA and hybrid variants are of the same size and start from it.
+REFERENCE_COMPUTE: tuple[ComputeCost, ...] = tuple(
+    ComputeCost(model=m, profile=REFERENCE_CPU,
+                params=LinearCost.independent((2e-3, 1.5e-5, 5e-8), (1e-3, MEASURED * 1.5e-5, MEASURED * 5e-8)),
+                source="measured on the CI machine by benchmarks/bench_prefill.py (GQA variant)")
+    for m in REFERENCE_MODELS
+)
+
+
 def shipped_cost_model() -> CostModel:
     """The cost model every planner starts from, before calibration publishes anything."""
-    return CostModel.build(SHIPPED_BASE, HARDWARE.values(), COMPUTE, LINKS)
+    return CostModel.build(SHIPPED_BASE, [*HARDWARE.values(), REFERENCE_HARDWARE], [*COMPUTE, *REFERENCE_COMPUTE],
+                           [*LINKS, *REFERENCE_LINKS])
 
 
 # -- sglang#26305 ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """aiokafka producers and consumers that speak NexusKV's topic contracts.
 
 Every record on a NexusKV topic is a versioned contract encoded by :mod:`nexuskv.contracts.codec`;
-keys are UTF-8 strings. A consumer that cannot decode a record builds a :class:`DeadLetter` for
+keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A consumer that cannot decode a record builds a :class:`DeadLetter` for
 it (:func:`dead_letter_for`) instead of dropping or crashing.
 
 Client settings that decide start-up and rebalance latency live in :mod:`streams.tuning`.
@@ -22,6 +22,7 @@ from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError
 from streams import tuning
+from streams.telemetry import carrier_headers
 
 __all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter"]
 
@@ -46,9 +47,9 @@ def make_consumer(url: BrokerUrl, *topics: Topic, client_id: str, group_id: str 
 
 async def send(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
                headers: Headers | None = None) -> RecordMetadata:
-    """Encode and send; returns once the broker acknowledged the record."""
+    """Encode and send, carrying the current trace context; returns once the broker acknowledged."""
     fut = await producer.send(topic.name, codec.encode(topic, value), key=key.encode("utf-8"),
-                              headers=list(headers) if headers else None)
+                              headers=carrier_headers(headers) or None)
     return await fut
 
 

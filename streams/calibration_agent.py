@@ -47,6 +47,7 @@ from nexuskv.policy import ExecutionPolicy, load_policy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import dead_letter_for
 from streams.faust_app import make_faust_app
+from streams.telemetry import init_service
 
 __all__ = ["SERVICE", "CalibrationWorker", "build_app", "main"]
 
@@ -159,7 +160,7 @@ def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
     from streams.topics import list_topics
 
     settings = Settings.from_env()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service(SERVICE, settings)
     policy = load_policy(settings.policy_file) if settings.policy_file else ExecutionPolicy(version="builtin")
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         counts = asyncio.run(list_topics(url))

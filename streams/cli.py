@@ -8,6 +8,9 @@ Commands:
   Kafka) and print its URL until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
 * ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
+* ``nexuskv replay TRACE`` — a Mooncake trace through the whole pipeline (engines, index,
+  calibration, planner, executors, decision sink) into DuckDB, then the report.
+* ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots.
 * ``nexuskv config`` — print the settings table (environment variable, default, meaning).
 
 Errors print one line, ``nexuskv: error: ...``, and exit non-zero.
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from nexuskv.config import Settings, setting_rows
 from nexuskv.errors import ConfigError, NexusKVError
+from streams.telemetry import quiet_libraries
 
 __all__ = ["main"]
 
@@ -39,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        quiet_libraries(settings.log_level)
         return int(args.func(args, settings) or 0)
     except ConfigError as exc:
         print(f"nexuskv: error: {exc}", file=sys.stderr)
@@ -70,6 +75,24 @@ def _parser() -> argparse.ArgumentParser:
     schemas = sub.add_parser("schemas", help="export the wire contracts' JSON Schemas")
     schemas.add_argument("--out", type=Path, default=Path("infra/schemas"))
     schemas.set_defaults(func=_cmd_schemas)
+
+    replay = sub.add_parser("replay", help="replay a Mooncake trace through the whole pipeline, then report")
+    replay.add_argument("trace", type=Path, help="a Mooncake JSONL trace (benchmarks/data has slices)")
+    replay.add_argument("--requests", type=int, default=200, help="requests from the start of the trace")
+    replay.add_argument("--workers", type=int, default=4, help="simulated engines (reference runtimes)")
+    replay.add_argument("--time-scale", type=float, default=10.0, help="trace time divided by this")
+    replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
+    replay.add_argument("--gpu-pages", type=int, default=160, help="each engine's KV page pool, in blocks")
+    replay.add_argument("--conversations", type=int, default=0, metavar="N",
+                        help="replay only the first N multi-turn conversations, every turn: a short replay with reuse")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(func=_cmd_replay)
+
+    report = sub.add_parser("report", help="print a decision store's key tables and write its plots")
+    report.add_argument("db", type=Path, nargs="?", default=None,
+                        help="DuckDB file (default: the decision store's snapshot)")
+    report.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: beside the db)")
+    report.set_defaults(func=_cmd_report)
 
     config = sub.add_parser("config", help="print the settings table")
     config.add_argument("--markdown", action="store_true", help="as the README's markdown table")
@@ -148,6 +171,59 @@ def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
 
     for path in export_schemas(args.out):
         print(path)
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    from analytics.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
+    from analytics.report import report
+    from streams.broker import open_bus
+    from streams.process import free_port
+    from streams.services import SERVICES, start_services
+    from streams.topics import ensure_topics
+
+    if not args.trace.is_file():
+        raise ConfigError("trace", f"no trace file at {args.trace}")
+    out = args.out or default_replay_dir(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    local = settings.model_copy(update={"data_dir": out})
+    config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests,
+                          workers=args.workers, time_scale=args.time_scale, conversations=args.conversations,
+                          gpu_pages=args.gpu_pages)
+    remote = f"tcp://127.0.0.1:{free_port()}"
+    services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
+        print(f"nexuskv: replaying {args.trace.name} ({args.requests} requests, {args.workers} engines) on {url}",
+              flush=True)
+        env = {"NEXUSKV_REMOTE_TIER": remote, "NEXUSKV_DATA_DIR": str(out)}
+        with start_services(url, local, services=services, env=env):
+            result = asyncio.run(run_replay(config, url, remote, progress=not args.no_progress))
+    print(f"nexuskv: {result.requests} requests, {result.decisions} decided in {result.wall_s:.1f}s; actions "
+          f"{dict(result.actions)}; transfers {dict(result.transfers)}; reused {result.reused_tokens} of "
+          f"{result.prompt_tokens} prompt tokens; mean virtual TTFT {result.mean_ttft_s * 1000:.1f} ms")
+    tables, plots = report(config.db, out / "report")
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
+    print(f"decision store: {config.db}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    from analytics.report import report
+
+    db = args.db
+    if db is None:
+        live = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
+        db = live.with_name(live.stem + "-snapshot.duckdb")
+    if not db.is_file():
+        raise ConfigError("db", f"no decision store at {db}")
+    out = args.out or db.parent / f"{db.stem}-report"
+    tables, plots = report(db, out)
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
     return 0
 
 

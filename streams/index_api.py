@@ -36,6 +36,7 @@ from nexuskv.errors import ConfigError, IdentityError, NexusKVError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
 from streams.replica import IndexReplica
+from streams.telemetry import init_service
 
 __all__ = ["make_lookup_app", "result_json", "main"]
 
@@ -137,7 +138,7 @@ def main() -> int:
     except NexusKVError as exc:
         print(f"index-api: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service("index-api", settings)
     try:
         asyncio.run(_serve(settings))
     except KeyboardInterrupt:

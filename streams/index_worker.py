@@ -67,6 +67,7 @@ from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.index import GlobalIndex
 from streams.bus import dead_letter_for, make_consumer, make_producer, send
 from streams.faust_app import make_faust_app
+from streams.telemetry import METRICS, init_service
 
 __all__ = ["IndexWorker", "PartitionCheckpoint", "read_checkpoint", "checkpoint_path", "load_checkpoints", "main"]
 
@@ -212,6 +213,9 @@ class IndexWorker:
         else:
             self.index.apply(batch)
             part.publishers.add(batch.publisher)
+            METRICS.events_applied.labels(SERVICE, "batches").inc()
+            METRICS.events_applied.labels(SERVICE, "block_ops").inc(batch.block_operations)
+            METRICS.index_size.labels(SERVICE).set(self.index.memberships)
         part.next_offset = offset + 1
         part.dirty = True
 
@@ -222,6 +226,7 @@ class IndexWorker:
         letter = dead_letter_for(self.topic.name, record, error, service=SERVICE, now=time.time())
         await send(self._producer, self.dead_letter, letter.source_topic, letter)
         self.dead_letters += 1
+        METRICS.events_rejected.labels(SERVICE, self.topic.name).inc()
 
     async def checkpoint_dirty(self) -> None:
         """Write a checkpoint for every partition applied since its last one."""
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except NexusKVError as exc:
         print(f"{SERVICE}: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service(SERVICE, settings)
     import faust
 
     from streams.topics import ensure_topics

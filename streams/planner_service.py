@@ -37,19 +37,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contract import Contract
 from nexuskv.contracts import codec
+from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.topics import (
     DECISIONS,
@@ -73,6 +75,7 @@ from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
 from streams.cost_models import CostModelReplica
+from streams.telemetry import METRICS, carrier_headers, decision_attributes, init_service, reason_code, span_from_record, tracer
 
 __all__ = ["SERVICE", "NullIndexView", "DescriptorRegistry", "Outgoing", "PlannerCore", "PlannerService", "main"]
 
@@ -120,6 +123,7 @@ class Outgoing:
     topic: Topic
     key: str
     value: Contract
+    headers: tuple[tuple[str, bytes], ...] = ()  # the trace context of the request that caused it
 
 
 def plan_records(p: Plan) -> list[Outgoing]:
@@ -128,6 +132,14 @@ def plan_records(p: Plan) -> list[Outgoing]:
     out.extend(Outgoing(PLACEMENT, f"{h.tenant_namespace}/{h.prefix_root}", h) for h in p.hints)
     out.extend(Outgoing(TRANSFERS, t.destination.worker, t) for t in p.transfers)
     return out
+
+
+def _record_decisions(span: Any, produced: Iterable[Outgoing]) -> None:
+    """Each decision's numbers on the span, and in the decision counters."""
+    for o in produced:
+        if isinstance(o.value, Decision):
+            span.set_attributes(decision_attributes(o.value))
+            METRICS.decisions.labels(o.value.action.value, reason_code(o.value.reason)).inc()
 
 
 def effect_records(effects: Iterable[Effect], *, now: float) -> list[Outgoing]:
@@ -173,7 +185,14 @@ class PlannerCore:
 
     def plan_request(self, request: PlanRequest, *, now: float) -> Plan:
         query = self.query_of(request)
-        lookup = self.index.lookup(query.scope, query.keys)
+        with tracer(SERVICE).start_as_current_span("index.match") as span:
+            lookup = self.index.lookup(query.scope, query.keys)
+            best = lookup.best_certain_prefix()
+            span.set_attributes({"nexuskv.service": "index-replica", "nexuskv.blocks": lookup.num_blocks,
+                                 "nexuskv.locations": len(lookup.matches),
+                                 "nexuskv.best_prefix_blocks": best.prefix_blocks if best else 0,
+                                 "nexuskv.index_lag_events": lookup.lag_events,
+                                 "nexuskv.index_lag_ms": lookup.lag_ms})
         policy = self.policy()
         p = plan(query, lookup, self.model(), policy, now=now,
                  headroom=self.scheduler.headroom(query.scope.tenant_namespace))
@@ -273,7 +292,8 @@ class PlannerService:
     async def _send_all(self, records: list[Outgoing]) -> None:
         if self._producer is None:
             raise BrokerError(f"{self.service}: not started")
-        futures = [await self._producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode())
+        futures = [await self._producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
+                                             headers=list(r.headers) or None)
                    for r in records]
         if futures:
             await asyncio.gather(*futures)
@@ -290,11 +310,16 @@ class PlannerService:
             for records in batches.values():
                 for rec in records:
                     now = self.clock()
+                    name = "planner.decide" if rec.topic == PLAN_REQUESTS.name else "planner.transfer_result"
                     try:
-                        if rec.topic == PLAN_REQUESTS.name:
-                            out.extend(self.core.on_request(rec.value, now=now))
-                        else:
-                            out.extend(self.core.on_result(rec.value, now=now))
+                        with span_from_record(self.service, name, rec.headers) as span:
+                            if rec.topic == PLAN_REQUESTS.name:
+                                produced = self.core.on_request(rec.value, now=now)
+                            else:
+                                produced = self.core.on_result(rec.value, now=now)
+                            _record_decisions(span, produced)
+                            headers = tuple(carrier_headers())
+                            out.extend(dataclasses.replace(o, headers=headers) for o in produced)
                     except Exception as exc:  # noqa: BLE001 - bad input (or a bug) must not stop the service
                         self.rejected += 1
                         if isinstance(exc, NexusKVError):
@@ -372,7 +397,7 @@ def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
     from streams.broker import open_bus
 
     settings = Settings.from_env()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_service(SERVICE, settings)
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(_run(settings, url))
 

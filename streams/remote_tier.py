@@ -20,6 +20,7 @@ from nexuskv.config import Settings
 from nexuskv.dataplane.remote_server import RemoteTierServer
 from nexuskv.dataplane.wire import parse_address
 from nexuskv.errors import ConfigError, NexusKVError
+from streams.telemetry import init_service
 
 __all__ = ["main"]
 
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         settings = Settings.from_env()
-        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        init_service("remote-tier", settings)
         host, port = parse_address(args.listen or settings.remote_tier or "tcp://127.0.0.1:0")
         server = RemoteTierServer(host, port, settings.remote_tier_bytes)
     except ConfigError as exc:

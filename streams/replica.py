@@ -40,6 +40,7 @@ from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
 from streams.bus import make_consumer
 from streams.index_worker import load_checkpoints
+from streams.telemetry import METRICS
 
 __all__ = ["IndexReplica"]
 
@@ -144,6 +145,7 @@ class IndexReplica:
             if gap:
                 behind += gap
                 age = max(age, now_ms - self._last_ts_ms.get(tp.partition, now_ms))
+        METRICS.consumer_lag.labels(self.client_id, self.topic.name).set(behind)
         return behind, max(0.0, age)
 
     async def wait_caught_up(self, end_offsets: dict[int, int] | None = None, timeout_s: float = 60.0) -> None:

@@ -43,6 +43,8 @@ SERVICES: tuple[Service, ...] = (
             "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
     Service("planner", "streams.planner_service",
             "plan requests -> decisions, placement hints and transfer commands, by Effective Gain"),
+    Service("decision-sink", "analytics.sink",
+            "decisions, transfer results and observations into the DuckDB decision store (single writer)"),
 )
 
 
@@ -53,15 +55,20 @@ def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
     """Start every service; stop all of them (TERM, then KILL) when the block ends.
 
     ``env`` adds variables to the services' environment (``up`` passes the remote tier's address).
+    With ``NEXUSKV_METRICS_PORT`` set, each service gets its own port: the base, then +1, +2, ...
+    in the order of :data:`SERVICES`.
     """
     chosen = list(SERVICES if services is None else services) if enabled else []
     env = dict(os.environ, **(env or {}), NEXUSKV_BROKER=str(url))
     log_dir = Path(settings.data_dir) / "logs"
     procs: list[tuple[Service, ManagedProcess]] = []
     try:
-        for svc in chosen:
+        for i, svc in enumerate(chosen):
+            own = dict(env)
+            if settings.metrics_port:  # one port each: NEXUSKV_METRICS_PORT, +1, +2, ... in start order
+                own["NEXUSKV_METRICS_PORT"] = str(settings.metrics_port + i)
             proc = ManagedProcess([sys.executable, "-m", svc.module], name=svc.name,
-                                  log_path=log_dir / f"{svc.name}.log", env=env)
+                                  log_path=log_dir / f"{svc.name}.log", env=own)
             proc.start()
             procs.append((svc, proc))
         time.sleep(0.2 if procs else 0)

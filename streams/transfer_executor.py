@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts.topics import TRANSFERS
@@ -40,9 +42,10 @@ from nexuskv.dataplane.disk import DiskBackend
 from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
-from nexuskv.errors import ConfigError, ContractError, NexusKVError, TierUnavailableError
+from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
 from streams.routing import route
+from streams.telemetry import METRICS, init_service, start_span_from_record
 
 __all__ = ["TransferService", "catalog_from_settings", "main"]
 
@@ -123,15 +126,25 @@ class TransferService:
             return asyncio.create_task(self._dead_letter(producer, letter))
         if not isinstance(command, TransferCommand) or command.destination.worker != self.worker:
             return None
+        span = start_span_from_record(SERVICE, "transfer.execute", record.headers, {
+            "nexuskv.request_id": command.request_id, "nexuskv.transfer_id": command.transfer_id,
+            "nexuskv.link": f"{command.source.tier.value}->{command.destination.tier.value}",
+            "nexuskv.blocks": len(command.keys), "nexuskv.bytes": command.bytes,
+            "nexuskv.deadline_at": command.deadline_at})
         future = asyncio.wrap_future(self.executor.submit(command))
-        return asyncio.create_task(self._publish(producer, future))
+        return asyncio.create_task(self._publish(producer, future, span))
 
-    async def _publish(self, producer, future: asyncio.Future) -> None:
-        outcome: TransferOutcome = await future
-        result = outcome.result
-        await send(producer, *route(result), result)
-        if outcome.observation is not None:
-            await send(producer, *route(outcome.observation), outcome.observation)
+    async def _publish(self, producer, future: asyncio.Future, span: Span) -> None:
+        with trace.use_span(span, end_on_exit=True):
+            outcome: TransferOutcome = await future
+            result = outcome.result
+            span.set_attributes({"nexuskv.status": result.status.value, "nexuskv.bytes_moved": result.bytes_moved,
+                                 "nexuskv.duration_s": result.duration_s})
+            METRICS.transfers.labels(result.status.value,
+                                     f"{result.source.tier.value}->{result.destination.tier.value}").inc()
+            await send(producer, *route(result), result)
+            if outcome.observation is not None:
+                await send(producer, *route(outcome.observation), outcome.observation)
         self.handled += 1
         log.info("transfer %s: %s (%d blocks, %d bytes, %.4fs)%s", result.transfer_id, result.status.value,
                  result.blocks_moved, result.bytes_moved, result.duration_s,
@@ -155,22 +168,15 @@ def catalog_from_settings(settings: Settings, *, wait_s: float | None = None) ->
     backends = [DeviceMemoryBackend(settings.tier_device_bytes), HostMemoryBackend(settings.tier_host_bytes),
                 DiskBackend(root, settings.tier_disk_bytes)]
     if settings.remote_tier:
-        deadline = time.monotonic() + (settings.broker_start_timeout_s if wait_s is None else wait_s)
-        while True:
-            try:
-                backends.append(RemoteBackend(settings.remote_tier))
-                break
-            except TierUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        backends.append(RemoteBackend.connect(settings.remote_tier,
+                                              wait_s=settings.broker_start_timeout_s if wait_s is None else wait_s))
     return BackendCatalog(settings.worker, backends)
 
 
 def main() -> int:
     try:
         settings = Settings.from_env()
-        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        init_service(SERVICE, settings)
         url = settings.broker_url
         if url is None:
             raise ConfigError("NEXUSKV_BROKER", "the transfer executor needs a broker (nexuskv up sets it)")

@@ -39,6 +39,7 @@ class PrefillObservation(Contract):
     uncached_tokens: Count
     context_tokens: Count
     duration_s: Seconds
+    queued_s: Seconds | None = None  # how long the request waited for the engine before this prefill
 
 
 class TransferObservation(Contract):
@@ -75,5 +76,6 @@ Observation = Annotated[Union[PrefillObservation, TransferObservation, LoadObser
 class ObservationRecord(Contract):
     schema_version: Literal[1] = SCHEMA_VERSION
     observed_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
+    request_id: Text | None = None  # the request the measurement belongs to, when there is one
     trace_id: str | None = None
     observation: Observation

@@ -29,7 +29,7 @@ import torch
 
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey, verify_payload
-from nexuskv.errors import TierFullError
+from nexuskv.errors import IntegrityError, TierFullError
 
 __all__ = ["TierBackend", "StagedBackend", "Reservation", "BufferPool", "host_view"]
 
@@ -171,6 +171,18 @@ class TierBackend(ABC):
             self.release(buf)
             raise
         return self.commit(header, buf, reservation)
+
+    def read_verified(self, key: PayloadKey, out: torch.Tensor) -> PayloadHeader:
+        """Copy the payload into host tensor ``out`` and verify it there.
+
+        IntegrityError when the tier does not hold it (any more) or its bytes or address do not
+        match: for a reader that was told the payload is there and must not use anything else.
+        """
+        header = self.read_into(key, out)
+        if header is None:
+            raise IntegrityError(f"{key} is no longer held by {self.label}")
+        verify_payload(key, header, host_view(out))
+        return header
 
     def get(self, key: PayloadKey) -> tuple[PayloadHeader, torch.Tensor] | None:
         """A verified host copy of the payload, or None when not held. IntegrityError if corrupt."""

@@ -28,10 +28,36 @@ from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader
 from nexuskv.descriptor import Tier
 from nexuskv.errors import IntegrityError, TierUnavailableError
 
-__all__ = ["DiskBackend"]
+__all__ = ["DiskBackend", "payload_file", "stored_header"]
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".nkv"
+
+
+def _folder(root: str, key: PayloadKey) -> str:
+    return os.path.join(root, key.descriptor_id, f"g{key.group}")
+
+
+def payload_file(root: Path | str, key: PayloadKey) -> str:
+    """The file a disk tier rooted at ``root`` keeps ``key`` in (the same in every process)."""
+    return f"{_folder(str(root), key)}/{key.key:032x}{_SUFFIX}"
+
+
+def stored_header(root: Path | str, key: PayloadKey) -> PayloadHeader | None:
+    """The header of ``key``'s file under ``root`` as it is now, whichever process wrote it.
+
+    None when there is no such file, or it is not ``key``'s whole payload. For a process that
+    shares the folder with the tier's owner but not its in-memory index (a scheduler checking
+    what a worker wrote); it never changes the folder, unlike constructing a second backend on it.
+    """
+    path = payload_file(root, key)
+    try:
+        with open(path, "rb") as fh:
+            header = PayloadHeader.unpack(fh.read(HEADER_BYTES))
+        size = os.stat(path).st_size
+    except (OSError, IntegrityError):
+        return None
+    return header if header.key == key and size == HEADER_BYTES + header.nbytes else None
 
 
 class DiskBackend(StagedBackend):
@@ -62,7 +88,7 @@ class DiskBackend(StagedBackend):
         # Plain string joins: pathlib costs ~15 µs a payload, a fifth of a 64 KiB copy.
         folder = self._folders.get((key.descriptor_id, key.group))
         if folder is None:
-            folder = os.path.join(self._root, key.descriptor_id, f"g{key.group}")
+            folder = _folder(self._root, key)
             self._folders[(key.descriptor_id, key.group)] = folder
         return f"{folder}/{key.key:032x}{_SUFFIX}"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import msgpack
@@ -46,6 +47,18 @@ _ABSENT = bytes(HEADER_BYTES)  # HEADS answers an all-zero header for a key it d
 
 class RemoteBackend(StagedBackend):
     """Client of the remote tier server at ``address``; capacity is the server's."""
+
+    @classmethod
+    def connect(cls, address: str, *, wait_s: float, label: str = "remote-tcp") -> RemoteBackend:
+        """A backend for the server at ``address``, retrying for up to ``wait_s`` while it starts."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return cls(address, label=label)
+            except TierUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def __init__(self, address: str, *, label: str = "remote-tcp", timeout_s: float = 30.0) -> None:
         self.address = address

@@ -43,9 +43,9 @@ from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane.backend import TierBackend, host_view
 from nexuskv.dataplane.guard import DescriptorRegistry, loadable
-from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
-from nexuskv.errors import DataPlaneError, IdentityError, IntegrityError
+from nexuskv.errors import DataPlaneError, IdentityError
 from nexuskv.identity import BlockKey, BlockKeyer, IdentityScope
 from nexuskv.runtime.descriptors import ENGINE_FAMILY, descriptor_for
 from nexuskv.runtime.engine_hash import engine_hashes
@@ -244,11 +244,14 @@ class ReferenceRuntime:
 
     # -- prefill ------------------------------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], *, reuse: bool = True, reuse_tokens: int | None = None) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], *, reuse: bool = True, reuse_tokens: int | None = None,
+                request_id: str | None = None, queued_s: float | None = None) -> PrefillResult:
         """Compute the prompt's next-token logits, restoring cached state where legal.
 
         ``reuse=False`` recomputes everything; ``reuse_tokens`` asks to restore exactly that many
         tokens (refused, with the reason, when illegal: the prompt then recomputes in full).
+        ``request_id`` labels the prefill observation, so outcomes join their decisions, and
+        ``queued_s`` records how long the request waited for this engine (the scheduler knows it).
         Stores the prompt's new full blocks (and checkpoints) in the pages and publishes their
         events and a prefill observation.
         """
@@ -277,9 +280,9 @@ class ReferenceRuntime:
             self.checkpoints.unpin_all()
         self._events.flush()
         duration = time.perf_counter() - t0
-        self.publisher(ObservationRecord(observed_at=self.clock(), observation=PrefillObservation(
+        self.publisher(ObservationRecord(observed_at=self.clock(), request_id=request_id, observation=PrefillObservation(
             model=self.descriptor.model, profile=self.profile, worker=self.worker, uncached_tokens=n - p,
-            context_tokens=n, duration_s=duration)))
+            context_tokens=n, duration_s=duration, queued_s=queued_s)))
         return PrefillResult(logits=out.logits, prompt_tokens=n, reused_tokens=p, computed_tokens=n - p,
                              stored_blocks=stored, duration_s=duration, reason=reason)
 
@@ -451,10 +454,7 @@ class ReferenceRuntime:
             return "no free page"
         dest = pool.bytes_of(got)
         try:
-            header = source.read_into(pk, dest)
-            if header is None:
-                raise IntegrityError(f"{pk} is no longer held by {source.label}")
-            verify_payload(pk, header, host_view(dest))
+            header = source.read_verified(pk, dest)
         except (DataPlaneError, ValueError) as exc:
             pool.release(key)
             self._forget(key)
@@ -510,6 +510,71 @@ class ReferenceRuntime:
                     self._events.stored([hashes[i] for i in idx], None, (), tier=tier, group=group)
             self._events.flush()
         return SaveOutcome(tuple(handles), blocks, checkpoints, nbytes, already, reason)
+
+    # -- engine-connector seams ----------------------------------------------------------------
+    # What an engine shows a KV connector (vLLM's KVConnectorBase_V1): its paged KV tensors, the
+    # prefix its own cache restores, blocks allocated for the connector to fill, and the events
+    # of blocks the connector filled or copied elsewhere. Attention pages only: recurrent
+    # checkpoints are not block-granular state a connector of that shape can move.
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """Per attention layer, its rows of every page: ``[num_pages, block_size, width]`` views.
+
+        A block id is a page index; the bytes of one block over every layer, in layer order, are
+        exactly the page's payload (what :meth:`save` writes and :meth:`load` reads).
+        """
+        return {f"layers.{layer}.attn": self.pages.pages[:, j] for j, layer in enumerate(self._attn_layers)}
+
+    def computed_tokens(self, tokens: Sequence[int]) -> int:
+        """Leading tokens the pages restore, in whole blocks, never the last one (vLLM's own rule)."""
+        return self.lookup(tokens).local_tokens // self.block_size * self.block_size
+
+    def block_ids(self, tokens: Sequence[int], count: int) -> list[int] | None:
+        """Pages of the prompt's first ``count`` blocks (None when one of them is not cached)."""
+        keys = self._keyer.keys(self._check(tokens))[:count]
+        pages = [self.pages.lookup(k) for k in keys]
+        return None if len(pages) < count or any(p is None for p in pages) else pages  # type: ignore[return-value]
+
+    def allocate_blocks(self, tokens: Sequence[int], start: int, end: int) -> list[int] | None:
+        """Pages for blocks ``[start, end)`` that a connector will fill; None when they do not fit.
+
+        The pages are pinned until the next prefill, and not announced until
+        :meth:`adopt_blocks` says they were filled (or :meth:`release_blocks` gives them back).
+        """
+        ids = self._check(tokens)
+        keys = self._keyer.keys(ids)
+        hashes = engine_hashes(ids, self.block_size)
+        if not 0 <= start <= end <= len(keys):
+            raise ValueError(f"blocks [{start}, {end}) are not full blocks of a {len(ids)}-token prompt")
+        pages: list[int] = []
+        for i in range(start, end):
+            if keys[i] in self.pages:
+                raise ValueError(f"block {i} is cached already: a connector fills only missing blocks")
+            got = self._allocate(self.pages, keys[i], hashes[i], ATTENTION_GROUP)
+            if got is None:
+                self.release_blocks(ids, start, i)
+                return None
+            pages.append(got)
+        self._events.flush()  # evictions made room
+        return pages
+
+    def adopt_blocks(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Blocks ``[start, end)`` were filled by a connector: cache and announce them (GPU tier)."""
+        ids = self._check(tokens)
+        self._flush_run(list(range(start, end)), ids, engine_hashes(ids, self.block_size), ATTENTION_GROUP)
+        self._events.flush()
+
+    def release_blocks(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Give back the pages of blocks ``[start, end)`` (a load that failed); nothing is announced."""
+        for key in self._keyer.keys(self._check(tokens))[start:end]:
+            self.pages.release(key)
+            self._forget(key)
+
+    def announce_copies(self, hashes: Sequence[int], tier: Tier) -> None:
+        """Publish that blocks (by engine hash) now also exist in ``tier`` (a connector's saves)."""
+        if hashes:
+            self._events.stored(list(hashes), None, (), tier=tier)
+            self._events.flush()
 
     # -- reset ----------------------------------------------------------------------------------
 

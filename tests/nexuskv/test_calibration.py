@@ -215,3 +215,14 @@ def test_entries_are_versioned_contracts_that_the_planner_folds_in():
     q = query(d, 4096, [WorkerLoad(worker="w-1", profile=PROFILE)])
     assert plan(q, lookup(len(q.keys)), with_link, ExecutionPolicy(version="v"),
                 now=NOW).decision.cost_model_version == with_link.version
+
+
+def test_fitted_parameters_stay_non_negative_under_adversarial_noise():
+    fit = RecursiveFit(LinearCost.independent((2e-3, 1.5e-5, 5e-8), (1e-3, 1.5e-6, 5e-9)), COMPUTE_SCALE)
+    rng = random.Random(3)
+    for _ in range(300):  # long prompts observed fast, short ones slow: an unconstrained fit goes below zero
+        e = rng.choice([50, 2000])
+        y = 0.5 if e == 50 else 0.05
+        fit.update((1.0, float(e), float(e * e)), y)
+    assert all(v >= 0.0 for v in fit.mean), fit.mean
+    assert LinearCost(fit.mean, fit.cov).predict(1.0, 10.0, 100.0) >= 0.0

@@ -1,0 +1,196 @@
+"""The decision store's schema: three fact tables, one outcome view, and the analysis views.
+
+Tables (one row per record consumed; re-delivered records are ignored by primary key):
+
+``decisions`` — one row per planner decision and revision (``nexuskv.decisions``; a later
+revision — a prefetch that missed its deadline, a failed transfer — supersedes the admission
+plan, and the views read the latest). Predicted terms in seconds; ``matched_tokens`` is the
+longest match the index reported among the alternatives (the logical hit, whether or not it
+was usable), ``reused_tokens`` what the chosen action reuses.
+
+``transfer_results`` — one row per transfer outcome (``nexuskv.transfer-results``).
+
+``observations`` — one row per measurement (``nexuskv.observations``): prefill, transfer and
+load observations share the table; columns that do not apply are NULL.
+
+``request_outcomes`` (view) — decisions joined with what happened: the prefill observed for the
+request, its transfer outcome, the observed time to first token
+(``observed_ttft_s = queue wait + prefill duration + visible transfer time``, the wait as the
+engine reported it) and the observed Effective Gain
+``observed_eg_s = t_compute_s - observed_ttft_s`` (``t_compute_s`` is the calibrated recompute
+prediction of the whole prompt: the counterfactual is, by construction, never observed).
+
+Reuse states are counted separately (DESIGN invariant): *logical* — the index reported a
+certain match; *physical* — the chosen action uses state that existed where it was read;
+*ready* — the state was materialized in time (no transfer, or one that completed); *useful* —
+the observed EG was positive.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TABLES", "VIEWS", "ALL_VIEWS"]
+
+TABLES: dict[str, str] = {
+    "decisions": """
+        CREATE TABLE IF NOT EXISTS decisions (
+            request_id VARCHAR NOT NULL,
+            revision INTEGER NOT NULL,             -- 0 at admission; a later revision supersedes it
+            decided_at DOUBLE NOT NULL,            -- seconds since the epoch
+            tenant VARCHAR NOT NULL,
+            workload VARCHAR,
+            action VARCHAR NOT NULL,               -- full_reuse | partial_reuse | route_to_state | transfer | prefetch | recompute
+            worker VARCHAR NOT NULL,
+            baseline_worker VARCHAR,               -- where recomputing is fastest
+            source_worker VARCHAR, source_tier VARCHAR,
+            destination_worker VARCHAR, destination_tier VARCHAR,
+            backend VARCHAR,
+            prompt_tokens BIGINT NOT NULL,
+            matched_tokens BIGINT NOT NULL,        -- longest certain index match among alternatives
+            reused_tokens BIGINT NOT NULL,
+            reused_blocks BIGINT NOT NULL,
+            deadline_at DOUBLE,
+            t_compute_s DOUBLE NOT NULL,           -- predicted recompute of the whole prompt
+            t_tail_s DOUBLE,                       -- compute of the tokens not reused
+            t_with_reuse_s DOUBLE NOT NULL,        -- predicted TTFT along the chosen action
+            lookup_s DOUBLE, queue_s DOUBLE, transfer_s DOUBLE, overlap_s DOUBLE,
+            restore_s DOUBLE, sync_s DOUBLE, interference_s DOUBLE, t_cache_s DOUBLE,
+            eg_s DOUBLE NOT NULL,                  -- predicted Effective Gain
+            eg_std_s DOUBLE,
+            eg_lower_s DOUBLE NOT NULL,            -- the conservative bound the gate used
+            p_use DOUBLE,                          -- prefetch: P(ready in time and consumed)
+            reason VARCHAR NOT NULL,
+            alternatives_json VARCHAR NOT NULL,    -- every option weighed, with its numbers
+            alternatives_total INTEGER,
+            policy_version VARCHAR NOT NULL,
+            cost_model_version VARCHAR NOT NULL,
+            index_lag_events BIGINT, index_lag_ms DOUBLE,
+            trace_id VARCHAR,
+            PRIMARY KEY (request_id, revision)
+        )""",
+    "transfer_results": """
+        CREATE TABLE IF NOT EXISTS transfer_results (
+            transfer_id VARCHAR PRIMARY KEY,
+            request_id VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,               -- completed | failed | cancelled | deadline_exceeded | rejected_capacity | integrity_error | not_found
+            source_worker VARCHAR, source_tier VARCHAR,
+            destination_worker VARCHAR, destination_tier VARCHAR,
+            blocks_moved BIGINT, bytes_moved BIGINT,
+            started_at DOUBLE, finished_at DOUBLE, duration_s DOUBLE,
+            device VARCHAR,
+            error VARCHAR
+        )""",
+    "observations": """
+        CREATE TABLE IF NOT EXISTS observations (
+            observation_id VARCHAR PRIMARY KEY,    -- topic/partition/offset: re-deliveries collapse
+            observed_at DOUBLE NOT NULL,
+            kind VARCHAR NOT NULL,                 -- prefill | transfer | load
+            request_id VARCHAR,
+            trace_id VARCHAR,
+            worker VARCHAR,
+            model VARCHAR, profile VARCHAR,
+            uncached_tokens BIGINT, context_tokens BIGINT, queued_s DOUBLE,
+            source_tier VARCHAR, destination_tier VARCHAR, backend VARCHAR,
+            bytes BIGINT, pages BIGINT, ok BOOLEAN,
+            queued_prefill_tokens BIGINT, decode_blocks BIGINT, active_requests BIGINT,
+            duration_s DOUBLE
+        )""",
+}
+
+_OUTCOMES = """
+CREATE OR REPLACE VIEW request_outcomes AS
+WITH prefill AS (
+    SELECT request_id, sum(duration_s) AS prefill_s, sum(uncached_tokens) AS computed_tokens,
+           coalesce(max(queued_s), 0) AS queued_s
+    FROM observations WHERE kind = 'prefill' AND request_id IS NOT NULL GROUP BY request_id
+), moved AS (
+    SELECT request_id,
+           bool_and(status = 'completed') AS transfer_ok,
+           max(duration_s) AS transfer_observed_s,
+           max(bytes_moved) AS bytes_moved,
+           string_agg(DISTINCT status, ',') AS transfer_status
+    FROM transfer_results GROUP BY request_id
+)
+SELECT d.*,
+       p.prefill_s, p.computed_tokens, p.queued_s AS observed_queue_s,
+       m.transfer_ok, m.transfer_observed_s, m.bytes_moved, m.transfer_status,
+       CASE WHEN p.prefill_s IS NULL THEN NULL
+            ELSE p.queued_s + p.prefill_s + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0)
+       END AS observed_ttft_s,
+       CASE WHEN p.prefill_s IS NULL THEN NULL
+            ELSE d.t_compute_s - (p.queued_s + p.prefill_s
+                                  + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0))
+       END AS observed_eg_s,
+       d.matched_tokens > 0 AS logical_hit,
+       d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_status, 'completed') <> 'not_found'
+           AS physical_hit,
+       d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_ok, true) AS ready_hit
+FROM (SELECT * FROM decisions QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY revision DESC) = 1) d
+LEFT JOIN prefill p USING (request_id)
+LEFT JOIN moved m USING (request_id)
+"""
+
+VIEWS: dict[str, str] = {
+    "eg_by_workload": """
+        CREATE OR REPLACE VIEW eg_by_workload AS
+        SELECT coalesce(workload, 'unlabelled') AS workload, count(*) AS decisions,
+               sum(eg_s) AS predicted_eg_s, avg(eg_s) AS mean_predicted_eg_s,
+               sum(observed_eg_s) AS observed_eg_s, avg(observed_eg_s) AS mean_observed_eg_s
+        FROM request_outcomes GROUP BY ALL ORDER BY workload""",
+    "eg_by_tier": """
+        CREATE OR REPLACE VIEW eg_by_tier AS
+        SELECT coalesce(source_tier, CASE WHEN reused_tokens > 0 THEN 'local' ELSE 'none' END) AS tier,
+               count(*) AS decisions,
+               sum(eg_s) AS predicted_eg_s, sum(observed_eg_s) AS observed_eg_s,
+               avg(observed_eg_s) AS mean_observed_eg_s
+        FROM request_outcomes GROUP BY ALL ORDER BY tier""",
+    "eg_by_action": """
+        CREATE OR REPLACE VIEW eg_by_action AS
+        SELECT action, count(*) AS decisions, sum(eg_s) AS predicted_eg_s, sum(observed_eg_s) AS observed_eg_s,
+               avg(t_with_reuse_s) AS mean_predicted_ttft_s, avg(observed_ttft_s) AS mean_observed_ttft_s
+        FROM request_outcomes GROUP BY ALL ORDER BY action""",
+    "eg_by_tenant": """
+        CREATE OR REPLACE VIEW eg_by_tenant AS
+        SELECT tenant, count(*) AS decisions, sum(eg_s) AS predicted_eg_s, sum(observed_eg_s) AS observed_eg_s,
+               sum(reused_tokens) AS reused_tokens, sum(prompt_tokens) AS prompt_tokens
+        FROM request_outcomes GROUP BY ALL ORDER BY tenant""",
+    "reuse_rates": """
+        CREATE OR REPLACE VIEW reuse_rates AS
+        SELECT count(*) AS requests,
+               avg(CASE WHEN logical_hit THEN 1 ELSE 0 END) AS logical_rate,
+               avg(CASE WHEN physical_hit THEN 1 ELSE 0 END) AS physical_rate,
+               avg(CASE WHEN ready_hit THEN 1 ELSE 0 END) AS ready_rate,
+               avg(CASE WHEN ready_hit AND observed_eg_s > 0 THEN 1 ELSE 0 END) AS useful_rate,
+               sum(matched_tokens) / nullif(sum(prompt_tokens), 0) AS logical_token_rate,
+               sum(CASE WHEN ready_hit THEN reused_tokens ELSE 0 END) / nullif(sum(prompt_tokens), 0)
+                   AS ready_token_rate
+        FROM request_outcomes""",
+    "prediction_error": """
+        CREATE OR REPLACE VIEW prediction_error AS
+        SELECT action, count(observed_ttft_s) AS measured,
+               avg(observed_ttft_s - t_with_reuse_s) AS mean_error_s,
+               avg(abs(observed_ttft_s - t_with_reuse_s)) AS mean_abs_error_s,
+               avg(abs(observed_ttft_s - t_with_reuse_s) / nullif(observed_ttft_s, 0)) AS mean_rel_error,
+               quantile_cont(abs(observed_ttft_s - t_with_reuse_s), 0.9) AS p90_abs_error_s
+        FROM request_outcomes WHERE observed_ttft_s IS NOT NULL GROUP BY ALL ORDER BY action""",
+    "fallback_reasons": """
+        CREATE OR REPLACE VIEW fallback_reasons AS
+        SELECT 'decision' AS source, action AS outcome, reason, count(*) AS n
+        FROM request_outcomes WHERE action = 'recompute' GROUP BY ALL
+        UNION ALL
+        SELECT 'transfer', status, coalesce(error, status), count(*)
+        FROM transfer_results WHERE status <> 'completed' GROUP BY ALL
+        UNION ALL
+        SELECT 'alternative', json_extract_string(a.value, '$.action'),
+               json_extract_string(a.value, '$.rejected_reason'), count(*)
+        FROM request_outcomes, json_each(alternatives_json) AS a
+        WHERE json_extract_string(a.value, '$.rejected_reason') IS NOT NULL GROUP BY ALL
+        ORDER BY n DESC""",
+    "transfer_bandwidth": """
+        CREATE OR REPLACE VIEW transfer_bandwidth AS
+        SELECT source_tier || '->' || destination_tier AS link, backend, bytes, pages, duration_s,
+               bytes / nullif(duration_s, 0) AS bytes_per_s, ok
+        FROM observations WHERE kind = 'transfer'""",
+}
+
+#: Every view in creation order (request_outcomes first: the others read it).
+ALL_VIEWS: dict[str, str] = {"request_outcomes": _OUTCOMES, **VIEWS}

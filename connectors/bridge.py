@@ -1,0 +1,288 @@
+"""The engine → Kafka bridge: vLLM/SGLang KV events in, ``nexuskv.kv-events`` batches out.
+
+For each engine batch received in order (:mod:`connectors.zmq_events`), the bridge
+
+1. names the publisher from the ZMQ topic (``kv@<pod>@<model>`` → ``<engine>/<pod>/dp<rank>``;
+   a free-form topic → the configured name) and the batch's data-parallel rank;
+2. decodes the payload (:mod:`connectors.kv_wire`), maps each engine medium to a tier, and
+   translates the events into a :class:`~nexuskv.contracts.kv_events.KvEventBatch` carrying the
+   publisher's identity, its *incarnation* and the engine's own sequence number;
+3. publishes it keyed by publisher, so one publisher's batches stay ordered on one partition.
+
+Restarts: a lower sequence number means the engine restarted. The bridge gives it a new
+incarnation (a nanosecond timestamp, so incarnations grow) and, by default, starts the new
+incarnation with ``cleared`` (a restarted vLLM or SGLang engine has an empty cache); the index
+fences the old incarnation's facts.
+
+Failures lose nothing silently: a payload that cannot be decoded or keyed (an unknown medium,
+token ids that do not fill the blocks) goes to ``nexuskv.dead-letter`` with its reason and is
+*not* forwarded, so the index sees the sequence gap and treats the publisher as uncertain until
+it resyncs — fail closed rather than guess.
+
+Run: ``python -m connectors.bridge --engine vllm --endpoint tcp://10.0.0.5:5557
+--replay-endpoint tcp://10.0.0.5:5558 --model meta-llama/Llama-3.1-8B`` (``NEXUSKV_BROKER``
+names the bus; unset, an embedded broker is started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokafka import AIOKafkaProducer
+
+from connectors.descriptors import publisher_identity, resolve_descriptor
+from connectors.kv_wire import Engine, EngineBatch, EngineCleared, EngineRemoved, EngineStored, decode_engine_batch
+from connectors.zmq_events import KvEventSubscriber, RawBatch
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity
+from nexuskv.contracts.topics import KV_EVENTS
+from nexuskv.descriptor import Tier
+from nexuskv.errors import ContractError, NexusKVError
+
+__all__ = [
+    "DEFAULT_MEDIUMS",
+    "BridgeConfig",
+    "EventBridge",
+    "publisher_name",
+    "tier_of",
+    "translate",
+]
+
+log = logging.getLogger(__name__)
+
+#: Engine medium strings (vLLM GPU/CPU/STORAGE/FS/OBJ, SGLang GPU/CPU_PINNED/DISK/EXTERNAL) -> tiers.
+DEFAULT_MEDIUMS: dict[str, Tier] = {
+    "GPU": Tier.GPU,
+    "CPU": Tier.HOST,
+    "CPU_PINNED": Tier.HOST,
+    "STORAGE": Tier.DISK,
+    "FS": Tier.DISK,
+    "DISK": Tier.DISK,
+    "OBJ": Tier.OBJECT,
+    "OBJECT": Tier.OBJECT,
+    "EXTERNAL": Tier.REMOTE,
+    "REMOTE": Tier.REMOTE,
+}
+
+
+def tier_of(medium: str | None, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS) -> Tier:
+    """The tier of an engine medium; None (older engines) is the GPU pool."""
+    if medium is None:
+        return Tier.GPU
+    tier = mediums.get(medium.upper())
+    if tier is None:
+        raise ContractError(f"unknown medium {medium!r}; map it with --medium {medium}=TIER")
+    return tier
+
+
+def publisher_name(engine: Engine, topic: str, dp_rank: int | None, fallback: str) -> str:
+    """``<engine>/<pod>/dp<rank>`` from a ``kv@<pod>@<model>`` topic, else from ``fallback``."""
+    pod = fallback
+    if topic.startswith("kv@"):
+        parts = topic.split("@", 2)
+        if len(parts) == 3 and parts[1]:
+            pod = parts[1]
+    return f"{engine}/{pod}/dp{dp_rank or 0}"
+
+
+def translate(batch: EngineBatch, *, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
+              default_block_size: int, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS,
+              cleared_first: bool = False) -> KvEventBatch:
+    """One decoded engine batch as a NexusKV batch; ContractError when an event cannot be keyed."""
+    events: list[BlockStored | BlockRemoved | AllCleared] = [AllCleared()] if cleared_first else []
+    for i, e in enumerate(batch.events):
+        where = f"events[{i}]"
+        if isinstance(e, EngineStored):
+            block_size = e.block_size or default_block_size
+            if e.token_ids and len(e.token_ids) != len(e.block_hashes) * block_size:
+                raise ContractError(f"{where}: {len(e.token_ids)} token ids do not fill {len(e.block_hashes)} "
+                                    f"blocks of {block_size}; the blocks cannot be keyed")
+            lora = e.lora_name if e.lora_name is not None else (None if e.lora_id is None else f"lora-id:{e.lora_id}")
+            events.append(BlockStored(
+                engine_hashes=e.block_hashes, parent=e.parent_block_hash, token_ids=e.token_ids,
+                block_size=block_size, tier=tier_of(e.medium, mediums), group=e.group_idx or 0,
+                lora=lora, cache_salt=e.cache_salt, extra_keys=e.extra_keys,
+            ))
+        elif isinstance(e, EngineRemoved):
+            events.append(BlockRemoved(engine_hashes=e.block_hashes, tier=tier_of(e.medium, mediums),
+                                       group=e.group_idx or 0))
+        elif isinstance(e, EngineCleared):
+            events.append(AllCleared())
+    return KvEventBatch(publisher=publisher, incarnation=incarnation, seq=seq, ts=batch.ts, identity=identity,
+                        events=tuple(events))
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeConfig:
+    engine: Engine
+    identity: PublisherIdentity
+    name: str = "engine"  # publisher name when the topic is free-form
+    default_block_size: int = 16
+    mediums: Mapping[str, Tier] = field(default_factory=lambda: dict(DEFAULT_MEDIUMS))
+    restart_clears: bool = True
+    state_file: Path | None = None  # where incarnations and resume points survive a bridge restart
+
+
+@dataclass(slots=True)
+class _Publisher:
+    incarnation: int
+    next_seq: int = 0
+
+
+class EventBridge:
+    """Moves batches from one engine subscriber to the kv-events topic (and rejects to dead-letter)."""
+
+    def __init__(self, config: BridgeConfig, *, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self.config = config
+        self._clock_ns = clock_ns
+        self._publishers: dict[str, _Publisher] = {}
+        self.stats = {"forwarded": 0, "dead_lettered": 0, "restarts": 0, "block_ops": 0}
+        self._load_state()
+
+    def resume_points(self) -> dict[str, int]:
+        """Next engine sequence number per topic, for :class:`KvEventSubscriber` after a restart."""
+        return {topic: p.next_seq for topic, p in self._publishers.items()}
+
+    def handle(self, raw: RawBatch) -> KvEventBatch:
+        """Translate one received batch (raises ContractError with the reason when it cannot)."""
+        state = self._publishers.get(raw.topic)
+        new_incarnation = state is None or raw.restart or raw.seq < state.next_seq
+        if new_incarnation:
+            if state is not None:
+                self.stats["restarts"] += 1
+            incarnation = max(self._clock_ns(), (state.incarnation + 1) if state else 0)
+            state = self._publishers[raw.topic] = _Publisher(incarnation=incarnation)
+        state.next_seq = raw.seq + 1
+        batch = decode_engine_batch(raw.payload, self.config.engine)
+        publisher = publisher_name(self.config.engine, raw.topic, batch.data_parallel_rank, self.config.name)
+        restarted = new_incarnation and self.config.restart_clears and (raw.seq == 0 or raw.restart)
+        return translate(batch, publisher=publisher, incarnation=state.incarnation, seq=raw.seq,
+                         identity=self.config.identity, default_block_size=self.config.default_block_size,
+                         mediums=self.config.mediums, cleared_first=restarted)
+
+    async def run(self, subscriber: KvEventSubscriber, producer: AIOKafkaProducer, *,
+                  stop: asyncio.Event | None = None) -> None:
+        """Forward until ``stop`` is set (or cancelled)."""
+        from streams.bus import dead_letter_for, send, send_dead_letter
+
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            receive = asyncio.ensure_future(subscriber.receive())
+            stopped = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({receive, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if receive not in done:
+                receive.cancel()
+                break
+            stopped.cancel()
+            for raw in receive.result():
+                try:
+                    out = self.handle(raw)
+                except NexusKVError as exc:
+                    letter = dead_letter_for(f"zmq:{raw.topic}", None, exc, service="kv-bridge",
+                                             now=time.time(), payload=raw.payload, key=raw.topic.encode())
+                    await send_dead_letter(producer, letter)
+                    self.stats["dead_lettered"] += 1
+                    log.warning("dead-lettered batch seq %d of %r: %s", raw.seq, raw.topic, exc)
+                    continue
+                await send(producer, KV_EVENTS, out.publisher, out)
+                self.stats["forwarded"] += 1
+                self.stats["block_ops"] += out.block_operations
+            self._save_state()
+
+    def _load_state(self) -> None:
+        path = self.config.state_file
+        if path is None or not path.is_file():
+            return
+        data = json.loads(path.read_text())
+        for topic, entry in data.get("publishers", {}).items():
+            self._publishers[topic] = _Publisher(incarnation=int(entry["incarnation"]), next_seq=int(entry["next_seq"]))
+
+    def _save_state(self) -> None:
+        path = self.config.state_file
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"publishers": {t: {"incarnation": p.incarnation, "next_seq": p.next_seq}
+                                                  for t, p in self._publishers.items()}}))
+        os.replace(tmp, path)
+
+
+def _identity(args: argparse.Namespace) -> PublisherIdentity:
+    return publisher_identity(resolve_descriptor(model=args.model, descriptor_path=args.descriptor,
+                                                 tenant=args.tenant, block_size=args.block_size,
+                                                 engine_family=args.engine))
+
+
+def _mediums(pairs: list[str]) -> dict[str, Tier]:
+    out = dict(DEFAULT_MEDIUMS)
+    for pair in pairs:
+        name, _, tier = pair.partition("=")
+        try:
+            out[name.upper()] = Tier(tier.lower())
+        except ValueError:
+            raise SystemExit(f"--medium {pair!r}: expected NAME=TIER with TIER one of {[t.value for t in Tier]}")
+    return out
+
+
+async def _serve(args: argparse.Namespace, url: BrokerUrl) -> None:
+    from streams.bus import make_producer
+
+    state = Path(args.state_file) if args.state_file else None
+    config = BridgeConfig(engine=args.engine, identity=_identity(args), name=args.name,
+                          default_block_size=args.block_size, mediums=_mediums(args.medium),
+                          restart_clears=not args.keep_on_restart, state_file=state)
+    bridge = EventBridge(config)
+    subscriber = KvEventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint, topic_prefix=args.topic,
+                                   bind=args.bind, resume=bridge.resume_points())
+    producer = make_producer(url, client_id=f"kv-bridge-{args.name}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await producer.start()
+    try:
+        await bridge.run(subscriber, producer, stop=stop)
+    finally:
+        subscriber.close()
+        await producer.stop()
+        log.info("bridge stopped: %s", bridge.stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m connectors.bridge", description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    ap.add_argument("--endpoint", required=True, help="the engine's PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    ap.add_argument("--replay-endpoint", default=None, help="the engine's ROUTER replay endpoint")
+    ap.add_argument("--bind", action="store_true", help="bind the SUB socket (engines connect to it)")
+    ap.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to")
+    ap.add_argument("--name", default="engine", help="publisher name when the topic is not kv@pod@model")
+    ap.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="a known model (nexuskv.models)")
+    ap.add_argument("--descriptor", default=None, help="a StateDescriptor JSON file (instead of --model)")
+    ap.add_argument("--tenant", default="default")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--medium", action="append", default=[], help="extra medium mapping NAME=TIER")
+    ap.add_argument("--keep-on-restart", action="store_true",
+                    help="do not clear a restarted engine's facts (its offload tiers survive restarts)")
+    ap.add_argument("--state-file", default=None)
+    args = ap.parse_args(argv)
+    settings = Settings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from streams.broker import open_bus
+
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(_serve(args, url))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""SGLang's HiCache storage tier on NexusKV's data plane, gated by the index and the planner.
+
+:class:`HiCacheCore` is the logic of the HiCache storage backend (:mod:`connectors.sglang.hicache`
+is the thin ``HiCacheStorage`` subclass SGLang loads). It keeps SGLang's contract
+(``../shared/reference/engines.md`` §4.2): ``get``/``batch_get`` return a page or None,
+``set``/``batch_set`` store pages, ``exists`` says whether a page can be read, ``batch_exists``
+counts the consecutive readable pages from the first.
+
+**Pages as blocks.** SGLang names a storage page by the hex SHA-256 of its token chain (the
+page hash of :mod:`connectors.sglang.hashing`) and gives a storage backend no token ids. The
+index keys blocks from token ids, so each page is published as a one-block sequence whose
+"tokens" are the page key's eight 32-bit words, in a scope of its own (the deployment's scope
+with cache salt ``sglang-hicache-page/1``): the index then keys it (tenant, model, descriptor,
+identity secret), scopes it and removes it exactly like any block, and anyone holding the page
+key finds it with a plain lookup. The page's canonical key is its payload's address in the data
+plane. What this does not give: a page is not joined with the same tokens' GPU blocks, which are
+keyed from tokens — the planner and routers see storage pages in the page scope.
+
+**Facts.** The backend is a publisher (``worker``, e.g. ``sglang-hicache/10.0.0.5:30000/tp0``) of
+``nexuskv.kv-events``: a stored page is a ``stored`` event in the backend's tier, a deleted or
+evicted one a ``removed`` event, and a start is ``cleared`` (a new incarnation whose facts start
+empty: pages left by an earlier one are found again when SGLang writes them again, for free).
+
+**Gates.** ``exists`` and ``batch_exists`` answer from the index, never from the store alone: a
+page is there when a certain fact places it in a tier this backend can read (its own tier, or
+anyone's shared remote tier). ``batch_exists`` then asks the planner whether loading those pages
+beats recomputing them (``EG > 0`` with confidence, the cost of the backend's tier to GPU against
+recomputing ``pages * page_size`` tokens) and answers 0 when it does not — sglang#26305's file
+tier was slower than recomputing. Without a cost profile for the model the gate is the index
+alone (said once in the log). ``get`` reads only what the index vouches for, verifies the
+payload's checksum and address, and misses (None) when the payload is gone or wrong — never
+returns stale data; a page of its own found missing or corrupt is removed from the index.
+
+**Eviction.** The tier holds at most its capacity; a ``set`` that does not fit evicts this
+backend's least recently used pages first (each a ``removed`` event).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from nexuskv.contracts.decisions import Action
+from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from nexuskv.contracts.plans import WorkerLoad
+from nexuskv.cost import CostModel
+from nexuskv.dataplane.backend import host_view
+from nexuskv.dataplane.catalog import BackendCatalog
+from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
+from nexuskv.descriptor import StateDescriptor, Tier
+from nexuskv.entries import EntryLocation
+from nexuskv.errors import DataPlaneError, TierFullError
+from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.lookup import IndexView, LocationMatch, LookupResult
+from nexuskv.planner import PlanQuery, plan
+from nexuskv.policy import ExecutionPolicy
+
+from connectors.descriptors import publisher_identity
+
+__all__ = ["PAGE_SCOPE_SALT", "PAGE_WORDS", "page_scope", "page_words", "page_event_hash", "HiCacheCore"]
+
+log = logging.getLogger("nexuskv.sglang")
+
+PAGE_SCOPE_SALT = "sglang-hicache-page/1"
+PAGE_WORDS = 8  # a 32-byte page key as eight little-endian uint32 words
+
+
+def page_scope(descriptor: StateDescriptor) -> IdentityScope:
+    """The scope storage pages of ``descriptor``'s state are keyed in (apart from token-keyed blocks)."""
+    return IdentityScope.of(descriptor, cache_salt=PAGE_SCOPE_SALT)
+
+
+def _digest(key: str) -> bytes:
+    if len(key) == 64:
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            pass
+    return hashlib.sha256(key.encode("utf-8")).digest()  # a key that is not a bare page hash
+
+
+def page_words(key: str) -> list[int]:
+    """The page key as the eight "tokens" of its one-block sequence in the page scope."""
+    raw = _digest(key)
+    return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, 32, 4)]
+
+
+def page_event_hash(key: str) -> int:
+    """The page's engine hash in its events: the first 8 bytes, as SGLang's KV events name it."""
+    return int.from_bytes(_digest(key)[:8], "big")
+
+
+class HiCacheCore:
+    """One SGLang storage backend instance (one TP rank); thread-safe (SGLang calls from I/O threads)."""
+
+    def __init__(self, descriptor: StateDescriptor, *, worker: str, catalog: BackendCatalog, tier: Tier,
+                 index: IndexView, publish: Callable[[KvEventBatch], None], model: Callable[[], CostModel],
+                 execution: Callable[[], ExecutionPolicy], profile: str | None = None, secret: bytes = b"",
+                 clock: Callable[[], float] = time.time, incarnation: int | None = None,
+                 layout: tuple[torch.dtype, tuple[int, ...]] | None = None) -> None:
+        self.descriptor = descriptor
+        self.worker = worker
+        self.catalog = catalog
+        self.tier = tier
+        self.index = index
+        self.publish = publish
+        self.model = model
+        self.execution = execution
+        self.profile = profile
+        self.clock = clock
+        self.scope = page_scope(descriptor)
+        self._keyer = BlockKeyer(self.scope, PAGE_WORDS, secret)
+        self._identity = publisher_identity(descriptor)
+        self._incarnation = incarnation if incarnation is not None else time.time_ns()
+        self._seq = 0
+        self._lock = threading.RLock()
+        self._own: OrderedDict[int, str] = OrderedDict()  # canonical page key -> SGLang key, LRU first
+        # (dtype, shape) of a page, for ``get`` without a target: from the host pool, else the first set
+        self._layout = layout
+        self._warned = False
+        self._shared = any(b.capabilities.shared for b in catalog.reachable(EntryLocation(worker=worker, tier=tier)))
+        self.stats = {"set": 0, "set_failed": 0, "hits": 0, "misses": 0, "stale_or_missing": 0, "evicted": 0,
+                      "gated_by_planner": 0}
+        self._emit([AllCleared()])  # a new incarnation starts with no facts (and resyncs the publisher)
+
+    # -- naming -------------------------------------------------------------------------------------
+
+    def use_layout(self, dtype: torch.dtype, shape: Sequence[int]) -> None:
+        """The dtype and shape of a page (SGLang's host pool), for ``get`` without a target."""
+        self._layout = (dtype, tuple(shape))
+
+    def canonical(self, key: str) -> int:
+        return self._keyer.keys(page_words(key))[0]
+
+    def _payload_key(self, canonical: int) -> PayloadKey:
+        return PayloadKey(self.descriptor.descriptor_id, canonical, 0)
+
+    def _emit(self, events: list[KvEvent]) -> None:
+        with self._lock:
+            batch = KvEventBatch(publisher=self.worker, incarnation=self._incarnation, seq=self._seq,
+                                 ts=self.clock(), identity=self._identity, events=tuple(events))
+            self._seq += 1
+            self.publish(batch)
+
+    def _readable(self, location: EntryLocation) -> bool:
+        return location.tier is self.tier and (location.worker == self.worker or self._shared)
+
+    def _holders(self, canonicals: Sequence[int]) -> list[str | None]:
+        """Per page: a worker whose certain fact places it in a readable tier (None: not there)."""
+        if not canonicals:
+            return []
+        found = self.index.lookup(self.scope, canonicals)
+        out: list[str | None] = [None] * len(canonicals)
+        for m in found.matches:
+            if not m.certain or not self._readable(m.location):
+                continue
+            runs = ([(0, m.prefix_blocks)] if m.prefix_blocks else []) + [(e.start, e.end) for e in m.extents]
+            for start, end in runs:
+                for i in range(start, min(end, len(out))):
+                    if out[i] is None or m.location.worker == self.worker:
+                        out[i] = m.location.worker
+        return out
+
+    # -- exists -----------------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self._holders([self.canonical(key)])[0] is not None
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Consecutive pages from the first that the index places here and the planner would load."""
+        canonicals = [self.canonical(k) for k in keys]
+        holders = self._holders(canonicals)
+        count = next((i for i, h in enumerate(holders) if h is None), len(holders))
+        if count == 0:
+            return 0
+        return self._gate(canonicals[:count], holders[:count])
+
+    def _gate(self, canonicals: list[int], holders: list[str | None]) -> int:
+        d = self.descriptor
+        execution = self.execution()
+        profile = self.profile or execution.planner.default_hardware_profile
+        model = self.model()
+        if model.compute_for(d.model, profile) is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("no cost profile for %s on %s: batch_exists is gated by the index alone", d.model, profile)
+            return len(canonicals)
+        n = len(canonicals)
+        where = holders[0] if holders[0] is not None else self.worker
+        match = LocationMatch(EntryLocation(worker=where, tier=self.tier), where, n)
+        now = self.clock()
+        query = PlanQuery(request_id=f"hicache-{self._seq}-{now:.6f}", scope=self.scope, descriptor=d,
+                          keys=tuple(canonicals), prompt_tokens=n * d.block_size, arrival_at=now,
+                          candidates=(WorkerLoad(worker=self.worker, profile=profile),))
+        chosen = plan(query, LookupResult(num_blocks=n, matches=(match,)), model, execution, now=now).chosen
+        if chosen.action is Action.RECOMPUTE or not chosen.contiguous:
+            self.stats["gated_by_planner"] += 1
+            return 0
+        if chosen.action in (Action.TRANSFER, Action.PREFETCH):
+            return min(chosen.moved[1], n)  # type: ignore[misc]
+        return min(chosen.reused_blocks, n)  # a device tier: reused in place
+
+    # -- get --------------------------------------------------------------------------------------
+
+    def get(self, key: str, target: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The page (into ``target`` when given), or None: not vouched for by the index, gone, or wrong."""
+        canonical = self.canonical(key)
+        holder = self._holders([canonical])[0]
+        if holder is None:
+            self.stats["misses"] += 1
+            return None
+        pk = self._payload_key(canonical)
+        backend = self.catalog.source_for(EntryLocation(worker=holder, tier=self.tier), pk)
+        header = backend.header(pk) if backend is not None else None
+        if backend is None or header is None:
+            return self._stale(key, canonical, holder, "the payload is gone")
+        buf = torch.empty(header.nbytes, dtype=torch.uint8)
+        try:
+            backend.read_verified(pk, buf)
+        except (DataPlaneError, ValueError) as exc:
+            return self._stale(key, canonical, holder, str(exc))
+        with self._lock:
+            if canonical in self._own:
+                self._own.move_to_end(canonical)
+        self.stats["hits"] += 1
+        if target is not None:
+            flat = target.view(-1).view(torch.uint8) if target.is_contiguous() else None
+            if flat is None or flat.numel() != buf.numel():
+                raise ValueError(f"target holds {target.numel() * target.element_size()} bytes, the page {buf.numel()}")
+            flat.copy_(buf)
+            return target
+        if self._layout is not None:
+            dtype, shape = self._layout
+            return buf.view(dtype).view(shape)
+        return buf
+
+    def _stale(self, key: str, canonical: int, holder: str, why: str) -> None:
+        self.stats["stale_or_missing"] += 1
+        self.stats["misses"] += 1
+        log.info("page miss where the index placed it (%s/%s): %s", holder, self.tier.value, why)
+        if holder == self.worker:
+            self._forget(key, canonical)
+        return None
+
+    # -- set --------------------------------------------------------------------------------------
+
+    def set(self, key: str, value: torch.Tensor) -> bool:
+        """Store one page (a tensor of its bytes in host or device memory); False when it cannot."""
+        canonical = self.canonical(key)
+        pk = self._payload_key(canonical)
+        data = value.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        if self._layout is None:
+            self._layout = (value.dtype, tuple(value.shape))
+        header = PayloadHeader.for_data(pk, host_view(data))
+        where = EntryLocation(worker=self.worker, tier=self.tier)
+        backend = self.catalog.destination_for(where, header.nbytes)
+        if backend is None:
+            self.stats["set_failed"] += 1
+            return False
+        for _attempt in range(2):
+            try:
+                backend.put(header, data)
+                break
+            except TierFullError:
+                if not self._evict(header.nbytes, backend.free_bytes()):
+                    self.stats["set_failed"] += 1
+                    return False
+            except DataPlaneError as exc:
+                log.warning("page write failed: %s", exc)
+                self.stats["set_failed"] += 1
+                return False
+        else:
+            self.stats["set_failed"] += 1
+            return False
+        with self._lock:
+            self._own[canonical] = key
+            self._own.move_to_end(canonical)
+        self._emit([BlockStored(engine_hashes=(page_event_hash(key),), token_ids=tuple(page_words(key)),
+                                block_size=PAGE_WORDS, tier=self.tier, cache_salt=PAGE_SCOPE_SALT)])
+        self.stats["set"] += 1
+        return True
+
+    def _evict(self, need: int, free: int) -> bool:
+        """Drop this backend's least recently used pages until ``need`` bytes are free."""
+        victims: list[tuple[int, str]] = []
+        with self._lock:
+            for canonical, key in self._own.items():
+                if free >= need:
+                    break
+                victims.append((canonical, key))
+                header = self._header(canonical)
+                free += header.nbytes if header is not None else 0
+        for canonical, key in victims:
+            self._forget(key, canonical)
+            self.stats["evicted"] += 1
+        return free >= need and bool(victims)
+
+    def _header(self, canonical: int) -> PayloadHeader | None:
+        pk = self._payload_key(canonical)
+        backend = self.catalog.source_for(EntryLocation(worker=self.worker, tier=self.tier), pk)
+        return backend.header(pk) if backend is not None else None
+
+    # -- delete, clear ----------------------------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        """Remove one of this backend's pages (payload and fact); False when it holds no such page."""
+        canonical = self.canonical(key)
+        with self._lock:
+            if canonical not in self._own:
+                return False
+        self._forget(key, canonical)
+        return True
+
+    def _forget(self, key: str, canonical: int) -> None:
+        """Delete one of this backend's pages, payload and fact."""
+        with self._lock:
+            self._own.pop(canonical, None)
+        self._delete_payload(canonical)
+        self._emit([BlockRemoved(engine_hashes=(page_event_hash(key),), tier=self.tier)])
+
+    def _delete_payload(self, canonical: int) -> None:
+        pk = self._payload_key(canonical)
+        for backend in self.catalog.reachable(EntryLocation(worker=self.worker, tier=self.tier)):
+            try:
+                backend.delete(pk)
+            except DataPlaneError:
+                continue
+
+    def clear(self) -> None:
+        """Drop every page this backend stored, and its facts."""
+        with self._lock:
+            own, self._own = list(self._own), OrderedDict()
+        for canonical in own:
+            self._delete_payload(canonical)
+        self._emit([AllCleared(tier=self.tier)])
+
+    def pages(self) -> int:
+        with self._lock:
+            return len(self._own)

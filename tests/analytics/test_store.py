@@ -1,0 +1,111 @@
+"""The decision store: real DuckDB files, idempotent writes, every view answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from analytics.report import report
+from analytics.schema import ALL_VIEWS
+from analytics.store import COLUMNS, DecisionStore
+from nexuskv.contracts.decisions import Action, Alternative, CostTerms, Decision
+from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
+from nexuskv.contracts.transfers import TransferResult
+from nexuskv.entries import EntryLocation
+
+DISK = EntryLocation(worker="w1", tier="disk")
+GPU = EntryLocation(worker="w1", tier="gpu")
+
+
+def decision(i: int, action: Action, *, reused: int = 0, eg: float = 0.0, workload: str = "chat") -> Decision:
+    alts = (Alternative(action=Action.RECOMPUTE, worker="w1", t_compute_s=1.0, t_with_reuse_s=1.0, eg_s=0.0,
+                        eg_lower_s=0.0, rejected_reason=None if action is Action.RECOMPUTE else "lower EG"),
+            Alternative(action=Action.TRANSFER, worker="w1", source=DISK, destination=GPU, reused_tokens=512,
+                        t_compute_s=1.0, t_with_reuse_s=1.2, eg_s=-0.2, eg_lower_s=-0.3,
+                        rejected_reason="EG <= 0" if action is Action.RECOMPUTE else None))
+    moving = action is Action.TRANSFER
+    return Decision(request_id=f"r{i}", tenant_namespace=f"t{i % 2}", decided_at=100.0 + i, action=action,
+                    worker="w1", source=DISK if moving else None, destination=GPU if moving else None,
+                    prompt_tokens=1024, reused_tokens=reused, reused_blocks=reused // 16, t_compute_s=1.0,
+                    t_with_reuse_s=1.0 - eg, terms=CostTerms(transfer_s=0.1 if moving else 0.0, total_s=0.1),
+                    eg_s=eg, eg_lower_s=eg * 0.8, reason="formula", alternatives=alts, policy_version="p1",
+                    cost_model_version="c1", workload=workload)
+
+
+def prefill(i: int, seconds: float) -> tuple[ObservationRecord, str]:
+    obs = PrefillObservation(model="m", profile="cpu", worker="w1", uncached_tokens=512, context_tokens=1024,
+                             duration_s=seconds)
+    return ObservationRecord(observed_at=101.0 + i, request_id=f"r{i}", observation=obs), f"o/{i}"
+
+
+def populated(path) -> DecisionStore:
+    store = DecisionStore(path)
+    store.write_all(
+        [decision(0, Action.RECOMPUTE), decision(1, Action.TRANSFER, reused=512, eg=0.4),
+         decision(2, Action.FULL_REUSE, reused=1024, eg=0.9, workload="rag")],
+        [TransferResult(transfer_id="x1", request_id="r1", status="completed", source=DISK, destination=GPU,
+                        blocks_moved=32, bytes_moved=1 << 20, started_at=101.0, finished_at=101.1)],
+        [prefill(0, 1.0), prefill(1, 0.5), prefill(2, 0.05),
+         (ObservationRecord(observed_at=1.0, observation=TransferObservation(
+             source_tier="disk", destination_tier="gpu", backend="file", worker="w1", bytes=1 << 20, pages=32,
+             duration_s=0.1)), "o/t")],
+    )
+    return store
+
+
+def test_columns_match_the_contract_rows():
+    assert COLUMNS["decisions"][0] == "request_id" and "alternatives_json" in COLUMNS["decisions"]
+    assert len(COLUMNS["observations"]) == 21 and "revision" in COLUMNS["decisions"]
+
+
+def test_writes_are_idempotent_and_every_view_has_rows(tmp_path):
+    with populated(tmp_path / "d.duckdb") as store:
+        assert store.query("SELECT count(*) FROM decisions") == [(3,)]
+        again = store.write_all([decision(1, Action.TRANSFER, reused=512, eg=0.4)], [], [prefill(1, 0.5)])
+        assert again == {"decisions": 0, "transfer_results": 0, "observations": 0}
+        for view in ALL_VIEWS:
+            assert store.query(f"SELECT count(*) FROM {view}")[0][0] > 0, view
+        outcome = dict(zip(*store.columns("SELECT request_id, observed_ttft_s FROM request_outcomes ORDER BY 1")))
+        rows = store.query("SELECT request_id, observed_ttft_s, observed_eg_s, ready_hit FROM request_outcomes "
+                           "ORDER BY request_id")
+        assert rows[1][1] == pytest.approx(0.5 + 0.1) and rows[1][2] == pytest.approx(1.0 - 0.6)
+        assert [r[3] for r in rows] == [False, True, True]
+        rates = store.query("SELECT logical_rate, ready_rate, useful_rate FROM reuse_rates")[0]
+        assert rates == pytest.approx((1.0, 2 / 3, 2 / 3))
+        assert outcome
+
+
+def test_snapshot_is_readable_by_another_process_while_the_writer_runs(tmp_path):
+    store = populated(tmp_path / "live.duckdb")
+    try:
+        snap = store.snapshot(tmp_path / "live-snapshot.duckdb")
+        code = ("import duckdb, sys\n"
+                "print(duckdb.connect(sys.argv[1], read_only=True).execute("
+                "'SELECT count(*) FROM request_outcomes').fetchall()[0][0])")
+        out = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out == ["3"]  # another process reads the snapshot while the writer keeps the live file
+    finally:
+        store.close()
+
+
+def test_report_prints_tables_and_writes_pngs(tmp_path):
+    populated(tmp_path / "d.duckdb").close()
+    tables, plots = report(tmp_path / "d.duckdb", tmp_path / "plots")
+    assert "== reuse rates ==" in tables and "fallback and rejection reasons" in tables
+    assert sorted(p.name for p in plots) == ["bandwidth_vs_size.png", "eg_distribution.png",
+                                              "prediction_error.png", "ttft_cdf.png"]
+    for p in plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000
+
+
+def test_a_later_revision_supersedes_the_admission_plan(tmp_path):
+    with populated(tmp_path / "d.duckdb") as store:
+        superseded = decision(1, Action.RECOMPUTE).model_copy(update={"revision": 1, "reason": "prefetch missed"})
+        assert store.write_all([superseded])["decisions"] == 1
+        assert store.query("SELECT count(*) FROM decisions WHERE request_id = 'r1'") == [(2,)]
+        assert store.query("SELECT action, revision, reason FROM request_outcomes WHERE request_id = 'r1'") == [
+            ("recompute", 1, "prefetch missed")]
+        assert store.query("SELECT count(*) FROM request_outcomes") == [(3,)]

@@ -1,0 +1,107 @@
+"""Engine batches become NexusKV batches: publishers, tiers, incarnations, fail-closed rejects."""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.bridge import BridgeConfig, EventBridge, publisher_name, tier_of, translate
+from connectors.kv_wire import EngineBatch, EngineCleared, EngineRemoved, EngineStored
+from connectors.wire_formats import encode_batch
+from connectors.zmq_events import RawBatch, SequenceTracker
+from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored
+from nexuskv.descriptor import Tier
+from nexuskv.errors import ContractError
+from tests.factories import publisher_identity
+
+IDENTITY = publisher_identity()
+
+
+def test_publisher_names_from_topics():
+    assert publisher_name("vllm", "kv@10.1.2.3:8000@meta-llama/Llama-3.1-8B", 1, "x") == "vllm/10.1.2.3:8000/dp1"
+    assert publisher_name("sglang", "kv@pod@org@model", None, "x") == "sglang/pod/dp0"
+    assert publisher_name("vllm", "", 0, "engine-7") == "vllm/engine-7/dp0"
+    assert publisher_name("vllm", "my-free-form-topic", 2, "engine-7") == "vllm/engine-7/dp2"
+
+
+def test_tiers_of_engine_mediums():
+    assert tier_of(None) is Tier.GPU
+    assert tier_of("gpu") is Tier.GPU
+    assert tier_of("CPU") is tier_of("CPU_PINNED") is Tier.HOST
+    assert tier_of("STORAGE") is tier_of("FS") is tier_of("DISK") is Tier.DISK
+    assert tier_of("OBJ") is Tier.OBJECT and tier_of("EXTERNAL") is Tier.REMOTE
+    with pytest.raises(ContractError, match="LocalDiskBackend"):
+        tier_of("LocalDiskBackend")
+    assert tier_of("LocalDiskBackend", {"LOCALDISKBACKEND": Tier.DISK}) is Tier.DISK
+
+
+def test_translate_maps_every_event():
+    batch = EngineBatch(ts=5.0, data_parallel_rank=0, events=(
+        EngineStored(block_hashes=(1, 2), parent_block_hash=9, token_ids=tuple(range(8)), block_size=4, medium="GPU",
+                     lora_id=3, extra_keys=(("salt",), None), group_idx=1),
+        EngineStored(block_hashes=(1,), parent_block_hash=None, token_ids=(), block_size=0, medium="CPU"),
+        EngineRemoved(block_hashes=(2,), medium="GPU", group_idx=1),
+        EngineCleared(),
+    ))
+    out = translate(batch, publisher="vllm/p/dp0", incarnation=7, seq=3, identity=IDENTITY, default_block_size=4)
+    assert (out.publisher, out.incarnation, out.seq, out.ts) == ("vllm/p/dp0", 7, 3, 5.0)
+    assert out.events == (
+        BlockStored(engine_hashes=(1, 2), parent=9, token_ids=tuple(range(8)), block_size=4, tier="gpu", group=1,
+                    lora="lora-id:3", extra_keys=(("salt",), None)),
+        BlockStored(engine_hashes=(1,), token_ids=(), block_size=4, tier="host"),
+        BlockRemoved(engine_hashes=(2,), tier="gpu", group=1),
+        AllCleared(),
+    )
+    assert out.block_operations == 4
+
+
+def test_unkeyable_events_are_refused_not_guessed():
+    bad = EngineBatch(ts=0, events=(EngineStored(block_hashes=(1, 2), parent_block_hash=None,
+                                                 token_ids=(1, 2, 3, 4), block_size=4),))
+    with pytest.raises(ContractError, match="cannot be keyed"):
+        translate(bad, publisher="p", incarnation=1, seq=0, identity=IDENTITY, default_block_size=4)
+    unknown = EngineBatch(ts=0, events=(EngineRemoved(block_hashes=(1,), medium="NVME-OF"),))
+    with pytest.raises(ContractError, match="unknown medium"):
+        translate(unknown, publisher="p", incarnation=1, seq=0, identity=IDENTITY, default_block_size=4)
+
+
+def _raw(seq, *, topic="kv@pod-a@m", restart=False, events=None):
+    events = events or [EngineStored(block_hashes=(seq + 1,), parent_block_hash=None, token_ids=(1, 2),
+                                     block_size=2, medium="GPU")]
+    return RawBatch(topic, seq, encode_batch(events, fmt="vllm-0.33", ts=float(seq)), restart=restart)
+
+
+def test_bridge_incarnations_and_clears_on_restart(tmp_path):
+    ticks = iter(range(1000, 2000, 10))
+    bridge = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, state_file=tmp_path / "bridge.json"),
+                         clock_ns=lambda: next(ticks))
+    first = bridge.handle(_raw(0))
+    assert first.publisher == "vllm/pod-a/dp0" and first.incarnation == 1000
+    assert isinstance(first.events[0], AllCleared)  # a fresh engine starts empty
+    second = bridge.handle(_raw(1))
+    assert second.incarnation == 1000 and not isinstance(second.events[0], AllCleared)
+    restarted = bridge.handle(_raw(0, restart=True))
+    assert restarted.incarnation > 1000 and isinstance(restarted.events[0], AllCleared)
+    assert bridge.stats["restarts"] == 1
+    bridge._save_state()
+    again = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, state_file=tmp_path / "bridge.json"),
+                        clock_ns=lambda: 5000)
+    assert again.resume_points() == {"kv@pod-a@m": 1}
+    assert again.handle(_raw(1)).incarnation == restarted.incarnation  # a bridge restart keeps the incarnation
+
+
+def test_sequence_tracker_verdicts():
+    t = SequenceTracker()
+    assert t.classify("a", 0).kind == "first"
+    t.delivered("a", 0)
+    assert t.classify("a", 1).kind == "next"
+    gap = t.classify("a", 4)
+    assert gap.kind == "gap" and gap.replay_from == 1
+    t.delivered("a", 4)
+    restart = t.classify("a", 2)
+    assert restart.kind == "restart" and restart.replay_from == 0
+    assert t.classify("a", 0).replay_from is None
+    late = SequenceTracker(resume={"b": 10})
+    assert late.classify("b", 12).replay_from == 10
+    assert late.classify("b", 3).kind == "restart"
+    fresh = SequenceTracker()
+    assert fresh.classify("c", 5).replay_from == 0  # joined late: fetch history from 0
