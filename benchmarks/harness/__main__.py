@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     write_artifacts(result, args.out)
     print(render(result))
     print(f"rows: {result.files['duckdb']} (table harness_requests); record: {result.files['record']}")
+    print(f"NexusKV's decisions as the decision store keeps them: nexuskv report {result.files['duckdb']}")
     if not args.no_write:
         command = "python -m benchmarks.harness " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
         path = write_result_file(result, command.strip())

@@ -328,12 +328,17 @@ class NexusKV(Policy):
                 if isinstance(effect, Fallback):
                     self.count["scheduler_fallbacks"] += 1
         kind = o.link
-        if self.calibration is not None and done and kind in _OBSERVED_TIER:
+        if done and kind in _OBSERVED_TIER and (self.calibration is not None or self._records is not None):
             obs = TransferObservation(source_tier=_OBSERVED_TIER[kind], destination_tier=Tier.GPU,
                                       backend=p.chosen.backend or kind, worker=p.chosen.worker, bytes=o.moved_bytes,
                                       pages=o.moved_blocks * len(p.query.descriptor.layer_groups),
                                       duration_s=o.transfer_s)
-            self._observe(obs, o.copy_end)
+            if self._records is not None:
+                self._records["observations"].append(
+                    (ObservationRecord(observed_at=o.copy_end, request_id=p.query.request_id, observation=obs),
+                     f"{p.query.request_id}/transfer"))
+            if self.calibration is not None:
+                self._observe(obs, o.copy_end)
 
     def _observe(self, observation: PrefillObservation | TransferObservation, at: float) -> None:
         self._now = at
