@@ -30,8 +30,12 @@ Features are scaled internally so that the 3×3 algebra stays well conditioned (
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
@@ -47,6 +51,39 @@ PRIOR_FLOOR = 1e2  # floor of a scaled parameter's prior variance, seconds² at 
 METHOD = "weighted RLS (1/y² weights), shipped prior, forgetting {lam}"
 
 _Mat = list[list[float]]
+
+
+def _project_non_negative(theta: Sequence[float], p: _Mat) -> tuple[float, float, float]:
+    """``argmin (t - theta)' P^-1 (t - theta)`` subject to ``t >= 0``.
+
+    The minimiser lies on one face of the orthant: some coordinates ``S`` held at zero, the others
+    at their Gaussian conditional mean given ``t_S = 0`` (``theta_F - P_FS P_SS^-1 theta_S``), at a
+    cost of ``theta_S' P_SS^-1 theta_S``. With three parameters every face is tried and the cheapest
+    feasible one kept (``S`` = all is always feasible). ``theta`` itself when already non-negative.
+    """
+    if all(v >= 0.0 for v in theta):
+        return (theta[0], theta[1], theta[2])
+    th = np.asarray(theta, dtype=float)
+    cov = np.asarray(p, dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    for active in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
+        fixed = list(active)
+        free = [i for i in range(3) if i not in active]
+        pss = cov[np.ix_(fixed, fixed)]
+        try:
+            w = np.linalg.solve(pss, th[fixed])
+        except np.linalg.LinAlgError:
+            w = np.linalg.pinv(pss) @ th[fixed]
+        t = np.zeros(3)
+        if free:
+            t[free] = th[free] - cov[np.ix_(free, fixed)] @ w
+            if (t[free] < 0.0).any():
+                continue
+        cost = float(th[fixed] @ w)
+        if best is None or cost < best[0]:
+            best = (cost, t)
+    assert best is not None  # every coordinate at zero is feasible
+    return (float(best[1][0]), float(best[1][1]), float(best[1][2]))
 
 
 class RecursiveFit:
@@ -83,10 +120,7 @@ class RecursiveFit:
         k = [v / denom for v in px]
         err = y - (th[0] * xs[0] + th[1] * xs[1] + th[2] * xs[2])
         for i in range(3):
-            # Costs are sums of non-negative terms (a fixed overhead, per token, per token of
-            # context): project the step onto that orthant. Without it a few noisy observations
-            # on a loaded machine drove c0 negative and the planner predicted negative times.
-            th[i] = max(0.0, th[i] + k[i] * err)
+            th[i] += k[i] * err
         for i in range(3):
             for j in range(3):
                 p[i][j] = (p[i][j] - k[i] * px[j]) / lam
@@ -106,8 +140,14 @@ class RecursiveFit:
 
     @property
     def mean(self) -> Vec3:
+        """The fitted parameters, none negative: costs are sums of non-negative terms (a fixed
+        overhead, per token, per token of context), so the unconstrained estimate is projected onto
+        that orthant in its own posterior metric (:func:`_project_non_negative`). The recursion itself
+        stays unconstrained: clipping each step breaks the recursion's covariance and biased the
+        fit (measured in the harness: calibrated worse than not calibrating)."""
         s = self.scale
-        return (self.theta[0] / s[0], self.theta[1] / s[1], self.theta[2] / s[2])
+        th = _project_non_negative(self.theta, self.p)
+        return (th[0] / s[0], th[1] / s[1], th[2] / s[2])
 
     @property
     def cov(self) -> tuple[Vec3, Vec3, Vec3]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -226,3 +227,38 @@ def test_fitted_parameters_stay_non_negative_under_adversarial_noise():
         fit.update((1.0, float(e), float(e * e)), y)
     assert all(v >= 0.0 for v in fit.mean), fit.mean
     assert LinearCost(fit.mean, fit.cov).predict(1.0, 10.0, 100.0) >= 0.0
+
+
+def test_the_non_negative_mean_is_the_posterior_projection_not_a_clip():
+    import numpy as np
+
+    from nexuskv.calibration import _project_non_negative
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        a = rng.normal(size=(3, 3))
+        p = a @ a.T + 0.1 * np.eye(3)
+        theta = rng.normal(size=3)
+        t = np.array(_project_non_negative(theta.tolist(), p.tolist()))
+        assert (t >= 0).all()
+        inv = np.linalg.inv(p)
+        best = (t - theta) @ inv @ (t - theta)
+        # no other non-negative point is closer in the posterior metric: the clip, and random ones
+        for other in [np.maximum(theta, 0.0), *np.abs(rng.normal(size=(300, 3)) + np.maximum(theta, 0.0))]:
+            assert best <= (other - theta) @ inv @ (other - theta) + 1e-9
+        if (theta >= 0).all():
+            assert np.allclose(t, theta)
+
+
+def test_a_fit_from_a_zero_overhead_prior_finds_a_positive_overhead():
+    # The shipped compute priors have c0 = 0; the truth has a fixed cost per prefill. Early noisy
+    # steps push c0 below zero; the fit must still converge to the truth, not stick at the boundary.
+    truth = (0.015, 4.9e-5, 4.6e-10)
+    fit = RecursiveFit(LinearCost.independent((0.0, 4.46e-5, 4.14e-10), (1e-3, 4.46e-6, 4.14e-11)), COMPUTE_SCALE)
+    rng = random.Random(5)
+    for _ in range(600):
+        e = rng.randint(200, 60_000)
+        y = (truth[0] + truth[1] * e + truth[2] * e * e) * math.exp(rng.gauss(0.0, 0.05))
+        fit.update((1.0, float(e), float(e * e)), y)
+    for got, want in zip(fit.mean, truth):
+        assert got == pytest.approx(want, rel=0.15)
