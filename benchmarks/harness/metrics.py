@@ -87,7 +87,8 @@ def summarize(policy: str, rows: Sequence[Row], oracle_eg_s: float | None, *, wo
         useful_rate=sum(r.useful_tokens for r in rows) / prompt,
         unsafe_tokens=sum(r.unsafe_tokens for r in rows), eg_s=eg, eg_mean_s=eg / len(rows),
         eg_vs_oracle=_ratio(eg, bound),
-        eg_vs_oracle_run=_ratio(eg, oracle_eg_s) if oracle_eg_s is not None else None, negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
+        eg_vs_oracle_run=_ratio(eg, oracle_eg_s) if oracle_eg_s is not None else None,
+        negative_eg_requests=sum(1 for r in rows if r.eg_s < 0),
         fallbacks=sum(1 for r in rows if r.fallback is not None), failed=sum(1 for r in rows if r.failed),
         moved_gib=sum(r.moved_bytes for r in rows) / (1 << 30), plan_mean_ms=float(plan_ms.mean()),
         plan_p99_ms=float(np.percentile(plan_ms, 99)))

@@ -223,7 +223,7 @@ class NexusKV(Policy):
     name = "nexuskv"
 
     def __init__(self, options: NexusOptions, profile: str, *, name: str = "nexuskv", identity: str = "full",
-                 layerwise: bool = True, mode: ExecMode = ExecMode()) -> None:
+                 layerwise: bool = True, mode: ExecMode = ExecMode(), keep_records: bool = False) -> None:
         self.name = name
         self.options = options
         self.identity = identity
@@ -248,10 +248,10 @@ class NexusKV(Policy):
         self._fitted = base
         self.model = self._believe(base)
         self._plan: Plan | None = None
-        # The records the pipeline's decision sink would store for this run (NexusKV proper only:
-        # building the pydantic records costs time the ablations do not need).
+        # The records the pipeline's decision sink would store for this run; only when asked (one
+        # run's worth is written to DuckDB, and holding them costs memory and collector time).
         self._records: dict[str, list] | None = (
-            {"decisions": [], "results": [], "observations": []} if name == "nexuskv" else None)
+            {"decisions": [], "results": [], "observations": []} if keep_records else None)
         self.count = {"scheduler_fallbacks": 0, "fits_applied": 0, "budget_refusals": 0, "negative_eg_choices": 0}
 
     def _believe(self, fitted: CostModel) -> CostModel:
@@ -413,15 +413,16 @@ POLICY_NOTES: dict[str, str] = {
 }
 
 
-def make_policy(name: str, profile: str) -> Policy:
-    """A fresh policy (policies hold run state: build one per run)."""
+def make_policy(name: str, profile: str, *, keep_records: bool = False) -> Policy:
+    """A fresh policy (policies hold run state: build one per run). ``keep_records``: NexusKV keeps
+    the records the decision sink would store (:meth:`Policy.store_records`)."""
     simple: dict[str, Callable[[], Policy]] = {"recompute": Recompute, "engine-lru": EngineLru,
                                                "hit-driven": HitDriven, "dynamo": lambda: Routed(DynamoCost()),
                                                "llm-d": lambda: Routed(LlmdScheduler()), "oracle": Oracle}
     if name in simple:
         return simple[name]()
     if name == "nexuskv":
-        return NexusKV(NexusOptions(), profile)
+        return NexusKV(NexusOptions(), profile, keep_records=keep_records)
     if name not in ABLATIONS:
         raise ValueError(f"policy: {name!r} is not one of {BASELINES + tuple(ABLATIONS)}")
     o = NexusOptions()

@@ -165,7 +165,8 @@ def _run(task: tuple[str, str, int]) -> RunOutput:
     which, policy, trial = task
     config: HarnessConfig = _SHARED["config"]
     spec = config.spec()
-    return simulate(make_policy(policy, spec.profile), _SHARED[which], spec, DRIFTS[config.drift],
+    keep = which == "main" and policy == "nexuskv" and trial == 0  # the run the DuckDB file stores
+    return simulate(make_policy(policy, spec.profile, keep_records=keep), _SHARED[which], spec, DRIFTS[config.drift],
                     seed=config.seed + trial, trial=trial, book=_SHARED["book"])
 
 
