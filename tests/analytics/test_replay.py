@@ -34,10 +34,11 @@ def test_short_replay_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NEXUSKV_BROKER"}  # the embedded broker
     done = subprocess.run(
         [sys.executable, "-m", "streams.cli", "replay", str(CONVERSATION_SLICE), "--conversations", "12",
-         "--workers", "2", "--gpu-pages", "48", "--time-scale", "30", "--out", str(out), "--no-progress"],
+         "--workers", "2", "--gpu-pages", "48", "--time-scale", "30", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = len(select_requests(load_trace(CONVERSATION_SLICE), 200, conversations=12))
+    assert f"{expected}/{expected}" in done.stderr  # the progress bar (the README's command shows it) ran to the end
     con = duckdb.connect(str(out / "decisions.duckdb"), read_only=True)
     try:
         assert con.execute("SELECT count(DISTINCT request_id) FROM decisions").fetchall()[0][0] == expected
