@@ -234,7 +234,8 @@ async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progr
                                         (request.timestamp_ms - t0) / 1000.0 / config.time_scale, result)
                 ttfts.append(ttft)
                 bar(1)
-        await _wait_stored(store, len(requests), prefix)
+        await _wait_stored(store, len(requests), prefix,
+                           sum(v for k, v in result.transfers.items() if k != "no-result"))
     finally:
         stop.set()
         await asyncio.gather(*tasks[:-1], return_exceptions=True)
@@ -296,11 +297,17 @@ async def _serve_one(i: int, request: TraceRequest, config: ReplayConfig, spec: 
     return finish_v - arrival_v
 
 
-async def _wait_stored(store: DecisionStore, n: int, prefix: str, timeout_s: float = 60.0) -> None:
+async def _wait_stored(store: DecisionStore, n: int, prefix: str, transfers: int, timeout_s: float = 60.0) -> None:
+    """Until the sink has stored every request's decision and prefill observation, and every
+    transfer result the replay saw: the run's records are complete before the services stop."""
     deadline = time.monotonic() + timeout_s
-    sql = f"SELECT count(DISTINCT request_id) FROM decisions WHERE request_id LIKE '{prefix}-%'"
+    like = f"LIKE '{prefix}-%'"
+    sql = (f"SELECT (SELECT count(DISTINCT request_id) FROM decisions WHERE request_id {like}), "
+           f"(SELECT count(DISTINCT request_id) FROM observations WHERE kind = 'prefill' AND request_id {like}), "
+           f"(SELECT count(DISTINCT request_id) FROM transfer_results WHERE request_id {like})")
     while time.monotonic() < deadline:
-        if (await asyncio.to_thread(store.query, sql))[0][0] >= n:
+        decided, observed, moved = (await asyncio.to_thread(store.query, sql))[0]
+        if decided >= n and observed >= n and moved >= transfers:
             return
         await asyncio.sleep(0.25)
 
