@@ -9,7 +9,9 @@ the placement hints and the transfer commands that carry it out.
 How it decides (whitepaper §2.5-2.7, §7.2-7.4):
 
 1. **Baseline.** For each candidate worker ``w``: ``recompute(w) = queue(w) + T_compute(n, n) +
-   decode(w, n)``, with ``queue(w) = c1 * queued_prefill_tokens`` and ``decode`` the time in-flight
+   decode(w, n)``, with ``queue(w) = c0 * queued_prefill_requests + c1 * queued_prefill_tokens +
+   c2 * queued_prefill_token_products`` (the compute of the prefills ahead; the two other terms are
+   0 when the engine reports tokens only) and ``decode`` the time in-flight
    decode steals from the prefill (:meth:`~nexuskv.cost.HardwareProfile.decode_seconds`). The
    baseline ``t_compute_s`` is the fastest of these: the best the request can do without reuse.
 2. **Candidates.** Index matches are grouped per (worker, tier); a location is usable only if
@@ -472,7 +474,8 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
                                   rejected=f"no cost profile for {d.model} on {profile}: cannot be estimated"))
             continue
         c0, c1, c2 = cc.params.mean
-        queue_s = c1 * load.queued_prefill_tokens
+        queue_s = c0 * load.queued_prefill_requests + c1 * load.queued_prefill_tokens \
+            + c2 * load.queued_prefill_token_products
         decode = hw.decode_seconds(load.decode_blocks, block_bytes, n) if load.decode_blocks else 0.0
         workers.append(_Worker(load, profile, hw, cc, queue_s, queue_s + c0 + c1 * n + c2 * nn + decode))
     if not workers:
@@ -483,7 +486,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     base_worker = base.load.worker
     base_cov = base.compute.params
     t_base = base.recompute_s
+    # The baseline's compute features (the queue ahead and the prompt): the variance of an option's
+    # EG is that of the difference of the two sides' features when they share a compute model.
+    xb0 = 1.0 + base.load.queued_prefill_requests
     xb1 = float(n + base.load.queued_prefill_tokens)
+    xb2 = nn + base.load.queued_prefill_token_products
     rejected: list[Option] = []
     sources = _sources(query, shape, lookup, policy, rejected)
     lagging = lookup.lag_ms > policy.budgets.max_index_lag_ms
@@ -512,6 +519,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     for w in workers:
         wid = w.load.worker
         cc, hw, queued = w.compute, w.hardware, w.load.queued_prefill_tokens
+        queued_jobs, queued_products = w.load.queued_prefill_requests, w.load.queued_prefill_token_products
         same = cc is base.compute
         c0, c1, c2 = cc.params.mean
         decode_blocks = w.load.decode_blocks
@@ -539,9 +547,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             restore = in_place.params.mean[0] if in_place is not None else 0.0
             ttft = hw.lookup_s + w.queue_s + restore + tail
             if same:
-                var = base_cov.variance(0.0, xb1 - e - queued, nn - float(e) * n)
+                var = base_cov.variance(xb0 - 1.0 - queued_jobs, xb1 - e - queued,
+                                        xb2 - float(e) * n - queued_products)
             else:
-                var = base_cov.variance(1.0, xb1, nn) + cc.params.variance(1.0, float(e + queued), float(e) * n)
+                var = base_cov.variance(xb0, xb1, xb2) + cc.params.variance(
+                    1.0 + queued_jobs, float(e + queued), float(e) * n + queued_products)
             if in_place is not None:
                 var += in_place.params.cov[0][0]
             eg = t_base - ttft
@@ -599,9 +609,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             ttft = hw.lookup_s + w.queue_s + visible + restore + hw.sync_s + interference + tail
             gain = t_base - ttft
             if same:
-                var_c = base_cov.variance(0.0, xb1 - e - queued, nn - float(e) * n)
+                var_c = base_cov.variance(xb0 - 1.0 - queued_jobs, xb1 - e - queued,
+                                          xb2 - float(e) * n - queued_products)
             else:
-                var_c = base_cov.variance(1.0, xb1, nn) + cc.params.variance(1.0, float(e + queued), float(e) * n)
+                var_c = base_cov.variance(xb0, xb1, xb2) + cc.params.variance(
+                    1.0 + queued_jobs, float(e + queued), float(e) * n + queued_products)
             if visible == 0.0 and overlap > 0 and settings.prefetch:
                 sd_t = math.sqrt(var_t) if var_t > 0 else 0.0
                 p_ready = normal_cdf((overlap - transfer) / sd_t) if sd_t > 0 else 1.0

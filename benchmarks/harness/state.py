@@ -187,13 +187,15 @@ class ClusterState:
     # -- what a request finds -------------------------------------------------------------------------
 
     def loads(self, now: float) -> tuple[WorkerLoad, ...]:
-        """What each worker reports: queued prefill tokens, decode blocks, active requests."""
+        """What each worker reports: the prefills queued (count, tokens, tokens x context), decode
+        blocks, active requests."""
         out = []
         for w in self.workers:
             eng, dl = self.engines[w], self.decode[w]
-            out.append(WorkerLoad(worker=w, queued_prefill_tokens=eng.queued_tokens(now),
-                                  decode_blocks=dl.blocks(now), active_requests=eng.jobs(now) + dl.requests(now),
-                                  profile=self.spec.profile))
+            jobs, tokens, products = eng.queued_work(now)
+            out.append(WorkerLoad(worker=w, queued_prefill_tokens=tokens, queued_prefill_requests=jobs,
+                                  queued_prefill_token_products=products, decode_blocks=dl.blocks(now),
+                                  active_requests=eng.jobs(now) + dl.requests(now), profile=self.spec.profile))
         return tuple(out)
 
     def prefixes(self, keys: Sequence[int], held: Sequence[int]) -> tuple[dict[Place, int], dict[Place, int]]:
@@ -367,7 +369,7 @@ class ClusterState:
                 done: Callable[[Outcome], None] | None) -> None:
         w = choice.worker
         self.engines[w].submit(Job(adm.position, o.ready, o.end - o.start, o.uncached_tokens,
-                                   lambda start: self._started(adm, w, o, start, done)), adm.now)
+                                   lambda start: self._started(adm, w, o, start, done), adm.prompt_tokens), adm.now)
         if resources and o.copy_end is not None:
             self.links.hold(resources, o.copy_end)
         # What the request uses is most recently used from now on (pinned, in effect, until consumed).

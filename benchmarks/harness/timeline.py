@@ -24,6 +24,7 @@ class Job:
     duration: float
     tokens: int  # uncached tokens (what the worker reports as queued work)
     on_start: Callable[[float], None]
+    context: int = 0  # the prompt's tokens (uncached x context is the attention part of the work)
 
 
 class Engine:
@@ -40,7 +41,7 @@ class Engine:
     def __init__(self, schedule: Callable[[float, Callable[[], None]], None]) -> None:
         self._schedule = schedule
         self._waiting: list[Job] = []
-        self._running: tuple[float, float, int] | None = None  # (start, end, tokens)
+        self._running: tuple[float, float, int, int] | None = None  # (start, end, tokens, tokens x context)
         self._wake: float | None = None  # a wake-up already scheduled for the next ready job
 
     def start_of(self, now: float, ready: float, duration: float, position: int) -> float:
@@ -81,19 +82,30 @@ class Engine:
         job = min(ready, key=lambda j: j.position)
         self._waiting.remove(job)
         end = now + job.duration
-        self._running = (now, end, job.tokens)
+        self._running = (now, end, job.tokens, job.tokens * job.context)
         self._schedule(end, lambda: self._dispatch(end))
         job.on_start(now)
 
     def queued_tokens(self, now: float) -> int:
         """Prefill tokens not yet computed at ``now``: every waiting job's (parked ones too) and the
         remaining share of the running one's."""
-        total = float(sum(j.tokens for j in self._waiting))
+        return self.queued_work(now)[1]
+
+    def queued_work(self, now: float) -> tuple[int, int, int]:
+        """The work ahead of a request arriving at ``now``, as an engine reports it: prefills
+        waiting or running, their uncached tokens and their uncached x context tokens (the running
+        one's tokens and products by the share of it not yet done)."""
+        jobs = len(self._waiting)
+        tokens = float(sum(j.tokens for j in self._waiting))
+        products = float(sum(j.tokens * j.context for j in self._waiting))
         if self._running is not None:
-            start, end, tokens = self._running
+            start, end, run_tokens, run_products = self._running
             if end > now:
-                total += tokens * (end - now) / (end - start) if end > start else 0.0
-        return int(total)
+                left = (end - now) / (end - start) if end > start else 0.0
+                jobs += 1
+                tokens += run_tokens * left
+                products += run_products * left
+        return jobs, int(tokens), int(products)
 
     def jobs(self, now: float) -> int:
         running = 1 if self._running is not None and self._running[1] > now else 0

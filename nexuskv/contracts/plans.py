@@ -29,6 +29,12 @@ class WorkerLoad(Contract):
 
     worker: Text
     queued_prefill_tokens: Count = 0  # tokens waiting for prefill ahead of this request
+    # The rest of the queue's compute, when the engine reports it: the prefills waiting (each pays
+    # the fixed per-prefill cost) and the sum over them of uncached x context tokens (the
+    # attention part, which tokens alone miss: one queued 128K prompt takes longer than 128K
+    # tokens of short ones). 0 when unknown: the queue is then priced by its tokens alone.
+    queued_prefill_requests: Count = 0
+    queued_prefill_token_products: Count = 0
     decode_blocks: Count = 0  # KV blocks of in-flight decoding requests
     active_requests: Count = 0
     profile: Text | None = None  # hardware profile name, when workers differ

@@ -147,6 +147,25 @@ def test_decode_load_counts_against_a_worker():
     assert a.t_with_reuse_s > p.decision.t_compute_s
 
 
+def test_the_queue_is_priced_as_the_compute_of_the_prefills_in_it():
+    # Both queues hold 128K tokens: one long prompt (its attention term dominates) or 64 short ones.
+    long_q = dict(queued_prefill_tokens=131_072, queued_prefill_requests=1,
+                  queued_prefill_token_products=131_072 * 131_072)
+    short_q = dict(queued_prefill_tokens=131_072, queued_prefill_requests=64,
+                   queued_prefill_token_products=64 * 2048 * 2048)
+    q = query(LLAMA8, 8192, [_w("w-a", **long_q), _w("w-b", **short_q)])
+    p = plan(q, lookup(len(q.keys)), MODEL, POLICY, now=NOW)
+    assert p.decision.worker == "w-b"
+    c0, c1, c2 = MODEL.compute[(LLAMA8.model, X1)].params.mean
+    (a,) = _alt(p.decision, Action.RECOMPUTE, "w-a")
+    assert a.terms.queue_s == pytest.approx(c0 + c1 * 131_072 + c2 * 131_072 ** 2)
+    assert p.decision.terms.queue_s == pytest.approx(64 * c0 + c1 * 131_072 + c2 * 64 * 2048 ** 2)
+    # An engine that reports tokens only: the queue is its tokens' linear cost, and the queues tie.
+    q = query(LLAMA8, 8192, [_w("w-a", queued_prefill_tokens=131_072), _w("w-b", queued_prefill_tokens=131_072)])
+    p = plan(q, lookup(len(q.keys)), MODEL, POLICY, now=NOW)
+    assert p.decision.worker == "w-a" and p.decision.terms.queue_s == pytest.approx(c1 * 131_072)
+
+
 # -- reuse in place --------------------------------------------------------------------------------------
 
 def test_full_and_partial_reuse_on_the_baseline_worker():
