@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import NexusKVError
+from streams.process import stop_on_signals
 from streams.telemetry import METRICS, init_service, span_from_record
 
 __all__ = ["DecisionSink", "SinkStats"]
@@ -142,10 +142,7 @@ async def _serve(settings: Settings, url: BrokerUrl) -> None:
     db = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
     store = DecisionStore(db)
     sink = DecisionSink(url, store, snapshot_path=db.with_name(db.stem + "-snapshot.duckdb"))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await sink.run(stop)
     finally:

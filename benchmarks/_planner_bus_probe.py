@@ -11,7 +11,6 @@ request/response round trip on this bus. Both print ``ready`` once they hold the
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 
 from benchmarks._planner_scenario import ScenarioIndex
@@ -21,16 +20,14 @@ from nexuskv.contracts.topics import Topic
 from streams import tuning
 from streams.bus import make_consumer, make_producer
 from streams.planner_service import PlannerService
+from streams.process import stop_on_signals
 
 ECHO_REQUESTS = Topic("bench.echo-requests", "request id", DeadLetter, "json", "echo benchmark requests")
 ECHO_REPLIES = Topic("bench.echo-replies", "request id", DeadLetter, "json", "echo benchmark replies")
 
 
 async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await stop.wait()
 
 

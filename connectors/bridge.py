@@ -31,7 +31,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, K
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError, NexusKVError
+from streams.process import stop_on_signals
 
 __all__ = [
     "DEFAULT_MEDIUMS",
@@ -245,10 +245,7 @@ async def _serve(args: argparse.Namespace, url: BrokerUrl) -> None:
     subscriber = KvEventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint, topic_prefix=args.topic,
                                    bind=args.bind, resume=bridge.resume_points())
     producer = make_producer(url, client_id=f"kv-bridge-{args.name}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     await producer.start()
     try:
         await bridge.run(subscriber, producer, stop=stop)

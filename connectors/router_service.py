@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ from nexuskv.policy import ExecutionPolicy, PolicyFile
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import make_consumer, make_producer
 from streams.cost_models import CostModelReplica
+from streams.process import stop_on_signals
 from streams.replica import IndexReplica
 from streams.telemetry import init_service
 
@@ -242,10 +242,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, url: BrokerUrl) -
                             checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
                             policy_file=settings.policy_file)
     await service.start(timeout_s=settings.broker_start_timeout_s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):

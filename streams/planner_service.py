@@ -75,6 +75,7 @@ from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
 from streams.cost_models import CostModelReplica
+from streams.process import stop_on_signals
 from streams.telemetry import METRICS, carrier_headers, decision_attributes, init_service, reason_code, span_from_record, tracer
 
 __all__ = ["SERVICE", "NullIndexView", "DescriptorRegistry", "Outgoing", "PlannerCore", "PlannerService", "main"]
@@ -380,12 +381,7 @@ async def _run(settings: Settings, url: BrokerUrl) -> None:  # pragma: no cover 
     service = PlannerService(url, replica, policy_file=settings.policy_file,
                              identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)
     await service.start(timeout_s=settings.broker_start_timeout_s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await stop.wait()
     finally:

@@ -8,6 +8,7 @@ exits, so start children from a thread that lives as long as they should (the ma
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -32,6 +33,16 @@ def _bind_to_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets: how a service's main loop learns to stop and clean
+    up (call it inside the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def free_port(host: str = "127.0.0.1") -> int:

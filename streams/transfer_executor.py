@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 import uuid
@@ -44,6 +43,7 @@ from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.process import stop_on_signals
 from streams.routing import route
 from streams.telemetry import METRICS, init_service, start_span_from_record
 
@@ -192,10 +192,7 @@ def main() -> int:
     service = TransferService(url, executor, worker=settings.worker)
 
     async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         await service.run(stop)
 
     asyncio.run(serve())
