@@ -5,7 +5,7 @@ What runs (all on one bus — the embedded broker unless ``NEXUSKV_BROKER`` name
 * **services, as their own processes** — the index stream worker, the remote tier, the
   calibration agent and the planner service (with its in-process index replica), exactly as
   ``nexuskv up`` starts them;
-* **engines, in this process** — ``--workers`` reference runtimes (:mod:`nexuskv.runtime`, the
+* **engines, in this process** — ``--workers`` reference engines (:mod:`nexuskv.reference_engine`, the
   tiny GQA transformer), each with its own device-tier stand-in and host tier, all sharing the
   remote tier, each with a transfer executor (:mod:`streams.transfer_executor`) that moves real
   tensors between those tiers on the planner's transfer commands. Engines publish their
@@ -53,8 +53,8 @@ from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import NexusKVError
 from nexuskv.profiles import REFERENCE_CPU
-from nexuskv.runtime.runtime import ReferenceRuntime
-from nexuskv.runtime.spec import ModelSpec
+from nexuskv.reference_engine.engine import ReferenceEngine
+from nexuskv.reference_engine.spec import ReferenceModelSpec
 from nexuskv.trace import TraceRequest, load_trace
 from streams.bus import make_consumer, make_producer, send
 from streams.runtime_publisher import BusPublisher
@@ -98,11 +98,11 @@ class ReplayResult:
 
 
 class _Engine:
-    """One simulated serving worker: a reference runtime, its tiers and its transfer executor."""
+    """One simulated serving worker: a reference engine, its tiers and its transfer executor."""
 
-    def __init__(self, index: int, spec: ModelSpec, config: ReplayConfig, remote: str, publisher: BusPublisher,
+    def __init__(self, index: int, spec: ReferenceModelSpec, config: ReplayConfig, remote: str, publisher: BusPublisher,
                  url: BrokerUrl) -> None:
-        self.runtime = ReferenceRuntime(spec, worker=f"w{index}", tenant_namespace=config.tenant,
+        self.runtime = ReferenceEngine(spec, worker=f"w{index}", tenant_namespace=config.tenant,
                                         num_pages=config.gpu_pages, profile=REFERENCE_CPU, publisher=publisher)
         self.name = self.runtime.publisher_id
         block_bytes = max(1, self.runtime.describe().state_bytes(spec.block_size))
@@ -209,7 +209,7 @@ def _tokens(request: TraceRequest, per_hash: int, vocab: int, limit: int) -> lis
 
 async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progress: bool = True) -> ReplayResult:
     """Replay ``config.requests`` requests of the trace; the services must already be running."""
-    spec = ModelSpec.gqa(block_size=config.block_size)
+    spec = ReferenceModelSpec.gqa(block_size=config.block_size)
     requests = select_requests(load_trace(config.trace), config.requests, config.conversations)
     prefix = f"replay-{uuid.uuid4().hex[:8]}"
     producer = make_producer(url, client_id=prefix)
@@ -254,7 +254,7 @@ async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progr
     return result
 
 
-async def _serve_one(i: int, request: TraceRequest, config: ReplayConfig, spec: ModelSpec, engines: list[_Engine],
+async def _serve_one(i: int, request: TraceRequest, config: ReplayConfig, spec: ReferenceModelSpec, engines: list[_Engine],
                      producer, publisher: BusPublisher, outcomes: _Outcomes, prefix: str, arrival_v: float,
                      result: ReplayResult) -> float:
     tokens = _tokens(request, config.hash_block_tokens, spec.vocab_size, config.max_prompt_tokens)

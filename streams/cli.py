@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="replay a Mooncake trace through the whole pipeline, then report")
     replay.add_argument("trace", type=Path, help="a Mooncake JSONL trace (benchmarks/data has slices)")
     replay.add_argument("--requests", type=int, default=200, help="requests from the start of the trace")
-    replay.add_argument("--workers", type=int, default=4, help="simulated engines (reference runtimes)")
+    replay.add_argument("--workers", type=int, default=4, help="simulated engines (reference engines)")
     replay.add_argument("--time-scale", type=float, default=10.0, help="trace time divided by this")
     replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
     replay.add_argument("--gpu-pages", type=int, default=160, help="each engine's KV page pool, in blocks")

@@ -1,6 +1,6 @@
-"""The bus side of the reference runtime's publisher seam.
+"""The bus side of the reference engine's publisher seam.
 
-:class:`~nexuskv.runtime.runtime.ReferenceRuntime` is synchronous and imports no Kafka; it calls
+:class:`~nexuskv.reference_engine.engine.ReferenceEngine` is synchronous and imports no Kafka; it calls
 ``publisher(record)``. :class:`BusPublisher` is that callable: it keeps the records in order and
 :meth:`BusPublisher.flush` sends them (``nexuskv.kv-events`` and ``nexuskv.observations``, keyed
 by :func:`streams.routing.route`), returning once the broker acknowledged each. Flush after each
@@ -14,7 +14,7 @@ import threading
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
-from nexuskv.runtime.events import Record
+from nexuskv.reference_engine.events import Record
 from streams.bus import send
 from streams.routing import route
 

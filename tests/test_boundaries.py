@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN_IN_CORE = {"aiokafka", "faust", "mode", "duckdb", "zmq", "vllm", "sglang", "streams", "connectors",
                      "analytics", "kafka", "opentelemetry"}
-# The data plane and reference runtime may use torch; the deciding core may not.
-TORCH_ALLOWED = ("nexuskv/dataplane/", "nexuskv/runtime/")
+# The data plane and reference engine may use torch; the deciding core may not.
+TORCH_ALLOWED = ("nexuskv/dataplane/", "nexuskv/reference_engine/")
 
 
 def _imports(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.models import gqa_descriptor, hybrid_descriptor, mla_descriptor
-from nexuskv.runtime.spec import ModelSpec, Variant
+from nexuskv.reference_engine.spec import ReferenceModelSpec, Variant
 
 __all__ = ["ENGINE_FAMILY", "LAYOUT", "descriptor_for", "tokenizer_revision"]
 
@@ -25,12 +25,12 @@ ENGINE_FAMILY = "nexuskv-reference"
 LAYOUT = "ref_page_layer_token"
 
 
-def tokenizer_revision(spec: ModelSpec) -> str:
+def tokenizer_revision(spec: ReferenceModelSpec) -> str:
     """The reference model reads token ids directly; its "tokenizer" is the id range."""
     return f"ids-{spec.vocab_size}"
 
 
-def descriptor_for(spec: ModelSpec, *, tenant_namespace: str = "default") -> StateDescriptor:
+def descriptor_for(spec: ReferenceModelSpec, *, tenant_namespace: str = "default") -> StateDescriptor:
     common = dict(model=spec.model_name, model_revision=spec.revision, tokenizer_revision=tokenizer_revision(spec),
                   engine_family=ENGINE_FAMILY, tenant_namespace=tenant_namespace, block_size=spec.block_size,
                   dtype=spec.kv_dtype, rope_theta=spec.rope_theta, layout=LAYOUT)

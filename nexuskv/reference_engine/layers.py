@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nexuskv.runtime.rope import apply_rope, rope_angles
-from nexuskv.runtime.spec import ModelSpec
+from nexuskv.reference_engine.rope import apply_rope, rope_angles
+from nexuskv.reference_engine.spec import ReferenceModelSpec
 
 __all__ = ["Init", "RMSNorm", "MLP", "GQAAttention", "MLAAttention", "RecurrentMixer"]
 
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, spec: ModelSpec, init: Init) -> None:
+    def __init__(self, spec: ReferenceModelSpec, init: Init) -> None:
         super().__init__()
         self.gate = init.linear(spec.d_model, spec.mlp_hidden)
         self.up = init.linear(spec.d_model, spec.mlp_hidden)
@@ -79,7 +79,7 @@ def _causal_attention(scores: torch.Tensor, start: int) -> torch.Tensor:
 class GQAAttention(nn.Module):
     """Grouped-query attention with RoPE; cached rows are ``K | V``."""
 
-    def __init__(self, spec: ModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
+    def __init__(self, spec: ReferenceModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
         super().__init__()
         self.h, self.hkv, self.d = spec.n_heads, spec.n_kv_heads, spec.head_dim
         self.theta = spec.rope_theta
@@ -114,7 +114,7 @@ class GQAAttention(nn.Module):
 class MLAAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 style, no query compression); rows are ``c_kv | k_rope``."""
 
-    def __init__(self, spec: ModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
+    def __init__(self, spec: ReferenceModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
         super().__init__()
         self.h, self.r = spec.n_heads, spec.kv_lora_rank
         self.dn, self.dr, self.dv = spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim
@@ -161,7 +161,7 @@ class RecurrentMixer(nn.Module):
     convolution: nothing about earlier tokens can be recovered from pages, only from a checkpoint.
     """
 
-    def __init__(self, spec: ModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
+    def __init__(self, spec: ReferenceModelSpec, init: Init, cache_dtype: torch.dtype) -> None:
         super().__init__()
         self.h, self.dk, self.dv = spec.recurrent_state_shape
         self.kernel, self.c = spec.conv_kernel, spec.d_model

@@ -1,6 +1,6 @@
-"""NexusKV's reference runtime playing vLLM's engine around the connector core.
+"""NexusKV's reference engine playing vLLM's engine around the connector core.
 
-:class:`ReferenceEngine` serves one request at a time the way vLLM's scheduler and model runner
+`VllmStandIn` serves one request at a time the way vLLM's scheduler and model runner
 call a ``KVConnectorBase_V1`` (``../shared/reference/engines.md`` §3), so the connector's logic
 runs end to end without vLLM:
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from connectors.vllm.connector_core import ConnectorMeta, SchedulerSide, WorkerSide
 from nexuskv.errors import NexusKVError
-from nexuskv.runtime import PrefillResult, ReferenceRuntime
+from nexuskv.reference_engine import PrefillResult, ReferenceEngine
 
-__all__ = ["Served", "ReferenceEngine"]
+__all__ = ["Served", "VllmStandIn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +46,10 @@ class Served:
     saved_requests: int  # 1 when the request's blocks were handed to the save tier and reported written
 
 
-class ReferenceEngine:
-    """One ReferenceRuntime with both halves of a connector, driven like vLLM drives them."""
+class VllmStandIn:
+    """One reference engine with both halves of a connector, driven like vLLM drives them."""
 
-    def __init__(self, runtime: ReferenceRuntime, scheduler: SchedulerSide, worker: WorkerSide, *,
+    def __init__(self, runtime: ReferenceEngine, scheduler: SchedulerSide, worker: WorkerSide, *,
                  max_steps: int = 10_000) -> None:
         self.runtime = runtime
         self.scheduler = scheduler

@@ -25,17 +25,17 @@ from nexuskv.dataplane import (
 )
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.runtime import CHECKPOINT_GROUP, ModelSpec, ReferenceRuntime, TinyModel, Variant
+from nexuskv.reference_engine import CHECKPOINT_GROUP, ReferenceModelSpec, ReferenceEngine, TinyModel, Variant
 
 TOL = 1e-5
-SPECS = {"gqa": ModelSpec.gqa(), "mla": ModelSpec.mla(), "hybrid": ModelSpec.hybrid()}
+SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla(), "hybrid": ReferenceModelSpec.hybrid()}
 MODELS = {name: TinyModel(spec) for name, spec in SPECS.items()}
 PROMPT = torch.randint(0, 256, (22,), generator=torch.Generator().manual_seed(11)).tolist()
-REFERENCE = {name: ReferenceRuntime(SPECS[name], model=MODELS[name]).prefill(PROMPT, reuse=False).logits
+REFERENCE = {name: ReferenceEngine(SPECS[name], model=MODELS[name]).prefill(PROMPT, reuse=False).logits
              for name in SPECS}
 
 
-def _expected_reuse(spec: ModelSpec, cached_tokens: int, n: int) -> int:
+def _expected_reuse(spec: ReferenceModelSpec, cached_tokens: int, n: int) -> int:
     usable = min(cached_tokens, n - 1)
     if spec.variant is Variant.HYBRID:
         return usable // spec.checkpoint_interval * spec.checkpoint_interval
@@ -58,11 +58,11 @@ def tier(request, tmp_path):
 def test_reuse_through_a_tier_equals_recomputation(name, cached, tier):
     spec = SPECS[name]
     registry = DescriptorRegistry()
-    writer = ReferenceRuntime(spec, model=MODELS[name], registry=registry)
+    writer = ReferenceEngine(spec, model=MODELS[name], registry=registry)
     writer.prefill(PROMPT[:cached])
     saved = writer.save(PROMPT[:cached], tier)
     assert saved.blocks == cached // spec.block_size and saved.reason is None
-    reader = ReferenceRuntime(spec, model=MODELS[name], registry=registry)
+    reader = ReferenceEngine(spec, model=MODELS[name], registry=registry)
     loaded = reader.load(PROMPT, tier)
     expected = _expected_reuse(spec, cached // spec.block_size * spec.block_size, len(PROMPT))
     assert loaded.reusable_tokens >= expected
@@ -78,8 +78,8 @@ def test_reuse_through_a_tier_equals_recomputation(name, cached, tier):
 def test_full_reuse_of_a_block_aligned_prompt(name):
     spec = SPECS[name]
     prompt = PROMPT[:16]  # 4 full blocks: everything is cached, the last token is computed again
-    reference = ReferenceRuntime(spec, model=MODELS[name]).prefill(prompt, reuse=False).logits
-    rt = ReferenceRuntime(spec, model=MODELS[name])
+    reference = ReferenceEngine(spec, model=MODELS[name]).prefill(prompt, reuse=False).logits
+    rt = ReferenceEngine(spec, model=MODELS[name])
     rt.prefill(prompt)
     again = rt.prefill(prompt)
     assert again.reused_tokens == (15 if spec.variant is not Variant.HYBRID else 8)
@@ -89,7 +89,7 @@ def test_full_reuse_of_a_block_aligned_prompt(name):
 @pytest.mark.parametrize("name", SPECS)
 def test_local_prefix_cache_reuse(name):
     spec = SPECS[name]
-    rt = ReferenceRuntime(spec, model=MODELS[name])
+    rt = ReferenceEngine(spec, model=MODELS[name])
     rt.prefill(PROMPT[:13])
     result = rt.prefill(PROMPT)
     assert result.reused_tokens == _expected_reuse(spec, 12, len(PROMPT))
@@ -98,7 +98,7 @@ def test_local_prefix_cache_reuse(name):
 
 def test_the_hybrid_refuses_reuse_off_its_checkpoints_and_recomputes():
     spec = SPECS["hybrid"]
-    rt = ReferenceRuntime(spec, model=MODELS["hybrid"])
+    rt = ReferenceEngine(spec, model=MODELS["hybrid"])
     rt.prefill(PROMPT)
     for asked in (4, 12, 20):
         refused = rt.prefill(PROMPT, reuse_tokens=asked)
@@ -116,13 +116,13 @@ def test_the_hybrid_refuses_reuse_off_its_checkpoints_and_recomputes():
 def test_attention_pages_without_their_checkpoint_are_not_reused():
     spec = SPECS["hybrid"]
     registry = DescriptorRegistry()
-    writer = ReferenceRuntime(spec, model=MODELS["hybrid"], registry=registry)
+    writer = ReferenceEngine(spec, model=MODELS["hybrid"], registry=registry)
     writer.prefill(PROMPT)
     tier = HostMemoryBackend(1 << 22)
     writer.save(PROMPT, tier)
     for key in writer.block_keys(PROMPT)[1:4:2]:  # the checkpoints at tokens 8 and 16
         assert tier.delete(writer.payload_key(key, CHECKPOINT_GROUP))
-    reader = ReferenceRuntime(spec, model=MODELS["hybrid"], registry=registry)
+    reader = ReferenceEngine(spec, model=MODELS["hybrid"], registry=registry)
     assert reader.lookup(PROMPT, tier).tokens == 0
     assert reader.load(PROMPT, tier).blocks == 0
     result = reader.prefill(PROMPT)
@@ -135,7 +135,7 @@ def test_reuse_after_the_executor_moved_state_disk_host_device(name, tmp_path):
     spec = SPECS[name]
     registry = DescriptorRegistry()
     disk, host, device = DiskBackend(tmp_path, 1 << 22), HostMemoryBackend(1 << 22), DeviceMemoryBackend(1 << 22)
-    writer = ReferenceRuntime(spec, model=MODELS[name], registry=registry)
+    writer = ReferenceEngine(spec, model=MODELS[name], registry=registry)
     writer.prefill(PROMPT)
     saved = writer.save(PROMPT, disk)
     ex = TransferExecutor(BackendCatalog("w0", [disk, host, device]))
@@ -154,7 +154,7 @@ def test_reuse_after_the_executor_moved_state_disk_host_device(name, tmp_path):
                 assert outcome.status is TransferStatus.COMPLETED, outcome.result.error
     finally:
         ex.close()
-    reader = ReferenceRuntime(spec, model=MODELS[name], registry=registry)
+    reader = ReferenceEngine(spec, model=MODELS[name], registry=registry)
     reader.load(PROMPT, device)
     result = reader.prefill(PROMPT)
     assert result.reused_tokens == _expected_reuse(spec, 20, len(PROMPT))

@@ -1,4 +1,4 @@
-"""Lifecycle events and observations of the reference runtime, handed to an injected publisher.
+"""Lifecycle events and observations of the reference engine, handed to an injected publisher.
 
 The runtime never talks to Kafka: it calls ``publisher(record)`` with a
 :class:`~nexuskv.contracts.kv_events.KvEventBatch` (one per operation that changed its state) or

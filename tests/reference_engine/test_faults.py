@@ -6,19 +6,19 @@ import pytest
 import torch
 
 from nexuskv.dataplane import DescriptorRegistry, DiskBackend, HostMemoryBackend
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
 
-SPEC = ModelSpec.gqa()
+SPEC = ReferenceModelSpec.gqa()
 MODEL = TinyModel(SPEC)
 PROMPT = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-def _saved(tier) -> tuple[ReferenceRuntime, torch.Tensor]:
+def _saved(tier) -> tuple[ReferenceEngine, torch.Tensor]:
     registry = DescriptorRegistry()
-    writer = ReferenceRuntime(SPEC, model=MODEL, registry=registry)
+    writer = ReferenceEngine(SPEC, model=MODEL, registry=registry)
     reference = writer.prefill(PROMPT, reuse=False).logits
     writer.save(PROMPT, tier)
-    return ReferenceRuntime(SPEC, model=MODEL, registry=registry), reference
+    return ReferenceEngine(SPEC, model=MODEL, registry=registry), reference
 
 
 @pytest.mark.parametrize("bad_block", [0, 2, 4])
@@ -48,7 +48,7 @@ def test_a_missing_block_ends_the_reusable_prefix():
 
 def test_a_full_destination_saves_a_prefix_and_says_so():
     small = HostMemoryBackend(2 * SPEC.block_size * 768)
-    writer = ReferenceRuntime(SPEC, model=MODEL)
+    writer = ReferenceEngine(SPEC, model=MODEL)
     writer.prefill(PROMPT)
     saved = writer.save(PROMPT, small)
     assert saved.blocks == 2 and "saving stopped at block 2" in saved.reason and "do not fit" in saved.reason
@@ -57,7 +57,7 @@ def test_a_full_destination_saves_a_prefix_and_says_so():
 
 
 def test_a_pool_too_small_for_the_prompt_keeps_what_fits():
-    rt = ReferenceRuntime(SPEC, model=MODEL, num_pages=2)
+    rt = ReferenceEngine(SPEC, model=MODEL, num_pages=2)
     first = rt.prefill(PROMPT)
     assert first.stored_blocks == 2 and rt.cached_blocks() == 2
     again = rt.prefill(PROMPT)

@@ -2,7 +2,7 @@
 
 :meth:`TinyModel.forward` computes tokens ``[start, start + T)`` of a sequence given the state of
 ``[0, start)``: cached rows per attention layer and a checkpoint per recurrent layer (both in the
-page format of :mod:`nexuskv.runtime.layers`). It returns the next-token logits of the last
+page format of :mod:`nexuskv.reference_engine.layers`). It returns the next-token logits of the last
 position, the new rows of every attention layer, and the recurrent checkpoints after each
 requested boundary. Single sequence, no batching, fp32 compute; the cache dtype is the spec's.
 """
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from nexuskv.descriptor import DType
-from nexuskv.runtime.layers import MLP, GQAAttention, Init, MLAAttention, RecurrentMixer, RMSNorm
-from nexuskv.runtime.spec import LayerKind, ModelSpec, Variant
+from nexuskv.reference_engine.layers import MLP, GQAAttention, Init, MLAAttention, RecurrentMixer, RMSNorm
+from nexuskv.reference_engine.spec import LayerKind, ReferenceModelSpec, Variant
 
 __all__ = ["TinyModel", "ForwardResult", "TORCH_DTYPES"]
 
@@ -36,7 +36,7 @@ class ForwardResult:
 
 
 class _Block(nn.Module):
-    def __init__(self, spec: ModelSpec, kind: LayerKind, init: Init, cache_dtype: torch.dtype) -> None:
+    def __init__(self, spec: ReferenceModelSpec, kind: LayerKind, init: Init, cache_dtype: torch.dtype) -> None:
         super().__init__()
         self.kind = kind
         self.norm1 = RMSNorm(spec.d_model, init)
@@ -53,7 +53,7 @@ class _Block(nn.Module):
 class TinyModel(nn.Module):
     """Random weights from ``spec.seed``; the same spec gives the same weights in any process."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ReferenceModelSpec) -> None:
         super().__init__()
         self.spec = spec
         self.cache_dtype = TORCH_DTYPES[spec.kv_dtype]

@@ -7,9 +7,9 @@ import torch
 
 from nexuskv.descriptor import DType
 from nexuskv.errors import ConfigError
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel, Variant, descriptor_for
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel, Variant, descriptor_for
 
-SPECS = {"gqa": ModelSpec.gqa(), "mla": ModelSpec.mla(), "hybrid": ModelSpec.hybrid()}
+SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla(), "hybrid": ReferenceModelSpec.hybrid()}
 
 
 def _prompt(n: int, seed: int = 0) -> torch.Tensor:
@@ -22,9 +22,9 @@ def test_weights_come_from_the_seed(name):
     toks = _prompt(9)
     a = TinyModel(spec)(toks, 0, {}, {}).logits
     b = TinyModel(spec)(toks, 0, {}, {}).logits
-    c = TinyModel(ModelSpec(variant=spec.variant, seed=1))(toks, 0, {}, {}).logits
+    c = TinyModel(ReferenceModelSpec(variant=spec.variant, seed=1))(toks, 0, {}, {}).logits
     assert torch.equal(a, b) and not torch.allclose(a, c)
-    assert spec.revision != ModelSpec(variant=spec.variant, seed=1).revision
+    assert spec.revision != ReferenceModelSpec(variant=spec.variant, seed=1).revision
     assert spec.revision == spec.with_state(block_size=8, kv_dtype=DType.BFLOAT16).revision
 
 
@@ -52,7 +52,7 @@ def test_continuing_from_cached_state_computes_what_a_full_prefill_computes(name
 @pytest.mark.parametrize("name", SPECS)
 def test_pages_and_checkpoints_have_the_descriptor_s_size(name):
     spec = SPECS[name]
-    rt = ReferenceRuntime(spec)
+    rt = ReferenceEngine(spec)
     d = rt.describe()
     assert rt.pages.page_nbytes == d.bytes_per_token[0] * spec.block_size
     if spec.variant is Variant.HYBRID:
@@ -64,18 +64,18 @@ def test_pages_and_checkpoints_have_the_descriptor_s_size(name):
 
 
 @pytest.mark.parametrize("bad, field", [
-    (dict(variant="gqa", n_kv_heads=3), "ModelSpec.n_kv_heads"),
-    (dict(variant="hybrid", block_size=4, checkpoint_interval=6), "ModelSpec.checkpoint_interval"),
-    (dict(variant="hybrid", n_layers=1), "ModelSpec.recurrent_every"),
-    (dict(variant="gqa", d_model=0), "ModelSpec.d_model"),
-    (dict(variant="gqa", kv_dtype="int8"), "ModelSpec.kv_dtype"),
+    (dict(variant="gqa", n_kv_heads=3), "ReferenceModelSpec.n_kv_heads"),
+    (dict(variant="hybrid", block_size=4, checkpoint_interval=6), "ReferenceModelSpec.checkpoint_interval"),
+    (dict(variant="hybrid", n_layers=1), "ReferenceModelSpec.recurrent_every"),
+    (dict(variant="gqa", d_model=0), "ReferenceModelSpec.d_model"),
+    (dict(variant="gqa", kv_dtype="int8"), "ReferenceModelSpec.kv_dtype"),
 ])
 def test_bad_specs_name_the_field(bad, field):
     with pytest.raises(ConfigError) as info:
-        ModelSpec(**bad)
+        ReferenceModelSpec(**bad)
     assert info.value.field == field
 
 
 def test_with_state_refuses_weight_changes():
     with pytest.raises(ConfigError, match="changes the weights"):
-        ModelSpec.gqa().with_state(d_model=32)
+        ReferenceModelSpec.gqa().with_state(d_model=32)

@@ -1,6 +1,6 @@
-"""The reference runtime: a tiny paged-KV engine with the lifecycle an engine connector sees.
+"""The reference engine: a tiny paged-KV engine with the lifecycle an engine connector sees.
 
-:class:`ReferenceRuntime` stands in for an inference engine in tests and benchmarks. It
+:class:`ReferenceEngine` stands in for an inference engine in tests and benchmarks. It
 
 * **describes** its state (:meth:`describe`: the variant's State Descriptor) and keys prompts
   canonically (:meth:`block_keys`) in its identity scope;
@@ -12,10 +12,10 @@
 * **prefills** prompts, reusing cached pages where that is legal (:meth:`prefill`), and keeps
   the new full blocks in an LRU prefix cache of fixed pages;
 * **emits** ``BlockStored`` (with token ids and its own engine hashes,
-  :mod:`nexuskv.runtime.engine_hash`), ``BlockRemoved`` on eviction and ``AllCleared`` on
+  :mod:`nexuskv.reference_engine.engine_hash`), ``BlockRemoved`` on eviction and ``AllCleared`` on
   :meth:`reset` as :class:`~nexuskv.contracts.kv_events.KvEventBatch` records, and one
   :class:`~nexuskv.contracts.observations.PrefillObservation` per prefill, through the injected
-  ``publisher`` (:mod:`nexuskv.runtime.events`).
+  ``publisher`` (:mod:`nexuskv.reference_engine.events`).
 
 Reuse rules (fail closed, fall back to recompute):
 
@@ -47,14 +47,14 @@ from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import DataPlaneError, IdentityError
 from nexuskv.identity import BlockKey, BlockKeyer, IdentityScope
-from nexuskv.runtime.descriptors import ENGINE_FAMILY, descriptor_for
-from nexuskv.runtime.engine_hash import engine_hashes
-from nexuskv.runtime.events import EventLog, Publisher, null_publisher
-from nexuskv.runtime.model import TinyModel
-from nexuskv.runtime.paging import PagePool
-from nexuskv.runtime.spec import ModelSpec
+from nexuskv.reference_engine.descriptors import ENGINE_FAMILY, descriptor_for
+from nexuskv.reference_engine.engine_hash import engine_hashes
+from nexuskv.reference_engine.events import EventLog, Publisher, null_publisher
+from nexuskv.reference_engine.model import TinyModel
+from nexuskv.reference_engine.paging import PagePool
+from nexuskv.reference_engine.spec import ReferenceModelSpec
 
-__all__ = ["ReferenceRuntime", "ReuseExtent", "LoadOutcome", "SaveOutcome", "PrefillResult",
+__all__ = ["ReferenceEngine", "ReuseExtent", "LoadOutcome", "SaveOutcome", "PrefillResult",
            "ATTENTION_GROUP", "CHECKPOINT_GROUP"]
 
 
@@ -73,7 +73,7 @@ class ReuseExtent:
 
 @dataclass(frozen=True, slots=True)
 class LoadOutcome:
-    """What :meth:`ReferenceRuntime.load` restored into the runtime's pages."""
+    """What :meth:`ReferenceEngine.load` restored into the runtime's pages."""
 
     blocks: int  # attention blocks loaded
     checkpoints: int  # recurrent checkpoints loaded
@@ -104,10 +104,10 @@ class PrefillResult:
     reason: str | None = None  # why reuse was limited or refused
 
 
-class ReferenceRuntime:
+class ReferenceEngine:
     """A tiny transformer engine with paged state. Not thread-safe: one caller at a time."""
 
-    def __init__(self, spec: ModelSpec, *, worker: str = "reference-0", tenant_namespace: str = "default",
+    def __init__(self, spec: ReferenceModelSpec, *, worker: str = "reference-0", tenant_namespace: str = "default",
                  num_pages: int = 512, num_checkpoints: int = 128, profile: str = "reference-cpu",
                  incarnation: int = 0, identity_secret: bytes = b"", publisher: Publisher = null_publisher,
                  clock: Callable[[], float] = time.time, registry: DescriptorRegistry | None = None,

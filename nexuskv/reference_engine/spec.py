@@ -25,7 +25,7 @@ from typing import Any
 from nexuskv.descriptor import DType
 from nexuskv.errors import ConfigError
 
-__all__ = ["Variant", "LayerKind", "ModelSpec"]
+__all__ = ["Variant", "LayerKind", "ReferenceModelSpec"]
 
 
 class Variant(StrEnum):
@@ -43,7 +43,7 @@ _STATE_FIELDS = ("block_size", "kv_dtype", "checkpoint_interval")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSpec:
+class ReferenceModelSpec:
     """Sizes of the reference model. Build with :meth:`gqa`, :meth:`mla` or :meth:`hybrid`."""
 
     variant: Variant
@@ -79,40 +79,40 @@ class ModelSpec:
         positive = [f.name for f in fields(self) if isinstance(getattr(self, f.name), int)
                     and f.name != "seed" and getattr(self, f.name) < 1]
         if positive:
-            raise ConfigError(f"ModelSpec.{positive[0]}", "must be >= 1")
+            raise ConfigError(f"ReferenceModelSpec.{positive[0]}", "must be >= 1")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError("ModelSpec.n_kv_heads", f"must divide n_heads ({self.n_heads})")
+            raise ConfigError("ReferenceModelSpec.n_kv_heads", f"must divide n_heads ({self.n_heads})")
         if self.kv_dtype not in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16):
-            raise ConfigError("ModelSpec.kv_dtype", f"{self.kv_dtype.value} is not a floating dtype torch keeps")
+            raise ConfigError("ReferenceModelSpec.kv_dtype", f"{self.kv_dtype.value} is not a floating dtype torch keeps")
         if self.head_dim % 2 or self.qk_rope_dim % 2:
-            raise ConfigError("ModelSpec.head_dim", "RoPE needs even head_dim and qk_rope_dim")
+            raise ConfigError("ReferenceModelSpec.head_dim", "RoPE needs even head_dim and qk_rope_dim")
         if self.variant is Variant.HYBRID:
             if self.checkpoint_interval % self.block_size:
-                raise ConfigError("ModelSpec.checkpoint_interval",
+                raise ConfigError("ReferenceModelSpec.checkpoint_interval",
                                   f"must be a multiple of block_size ({self.block_size}): checkpoints sit on block "
                                   f"boundaries")
             if LayerKind.ATTENTION not in self.layer_kinds or LayerKind.RECURRENT not in self.layer_kinds:
-                raise ConfigError("ModelSpec.recurrent_every", "a hybrid needs both attention and recurrent layers")
+                raise ConfigError("ReferenceModelSpec.recurrent_every", "a hybrid needs both attention and recurrent layers")
 
     # -- builders -----------------------------------------------------------------------------
 
     @classmethod
-    def gqa(cls, **overrides: Any) -> ModelSpec:
+    def gqa(cls, **overrides: Any) -> ReferenceModelSpec:
         return cls(variant=Variant.GQA, **overrides)
 
     @classmethod
-    def mla(cls, **overrides: Any) -> ModelSpec:
+    def mla(cls, **overrides: Any) -> ReferenceModelSpec:
         return cls(variant=Variant.MLA, **overrides)
 
     @classmethod
-    def hybrid(cls, **overrides: Any) -> ModelSpec:
+    def hybrid(cls, **overrides: Any) -> ReferenceModelSpec:
         return cls(variant=Variant.HYBRID, **overrides)
 
-    def with_state(self, **changes: Any) -> ModelSpec:
+    def with_state(self, **changes: Any) -> ReferenceModelSpec:
         """The same weights with another way of keeping state (block size, dtype, interval)."""
         bad = set(changes) - set(_STATE_FIELDS)
         if bad:
-            raise ConfigError(f"ModelSpec.{sorted(bad)[0]}", "changes the weights, not how state is kept")
+            raise ConfigError(f"ReferenceModelSpec.{sorted(bad)[0]}", "changes the weights, not how state is kept")
         return replace(self, **changes)
 
     # -- derived --------------------------------------------------------------------------------

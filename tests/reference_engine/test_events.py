@@ -14,7 +14,7 @@ from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS
 from nexuskv.dataplane import DiskBackend, HostMemoryBackend
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, engine_hashes
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, engine_hashes
 
 PROMPT = [(5 * i + 1) % 256 for i in range(18)]
 
@@ -46,7 +46,7 @@ def test_engine_hash_matches_its_documented_formula():
 
 def test_stored_events_carry_tokens_and_engine_hashes_an_index_can_key():
     sink = Sink()
-    rt = ReferenceRuntime(ModelSpec.gqa(), publisher=sink.append, incarnation=7, worker="w-a")
+    rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=sink.append, incarnation=7, worker="w-a")
     rt.prefill(PROMPT[:9])
     rt.prefill(PROMPT)
     stored = sink.events(BlockStored)
@@ -73,7 +73,7 @@ def test_stored_events_carry_tokens_and_engine_hashes_an_index_can_key():
 
 def test_evictions_are_removed_events_and_reset_clears():
     sink = Sink()
-    rt = ReferenceRuntime(ModelSpec.gqa(), publisher=sink.append, num_pages=4)
+    rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=sink.append, num_pages=4)
     a, b = PROMPT[:16], [200 + i % 50 for i in range(16)]
     rt.prefill(a)
     rt.prefill(b)  # four new pages: a's four are evicted, deepest first
@@ -88,7 +88,7 @@ def test_evictions_are_removed_events_and_reset_clears():
 
 def test_the_hybrid_announces_checkpoints_in_their_own_group():
     sink = Sink()
-    rt = ReferenceRuntime(ModelSpec.hybrid(), publisher=sink.append)
+    rt = ReferenceEngine(ReferenceModelSpec.hybrid(), publisher=sink.append)
     rt.prefill(PROMPT)  # 18 tokens: 4 blocks, checkpoints after 8 and 16
     stored = sink.events(BlockStored)
     groups = [(e.group, e.engine_hashes) for e in stored]
@@ -99,7 +99,7 @@ def test_the_hybrid_announces_checkpoints_in_their_own_group():
 
 def test_prefills_are_observed_for_calibration():
     sink = Sink()
-    rt = ReferenceRuntime(ModelSpec.mla(), publisher=sink.append, profile="cpu-test", worker="w-o")
+    rt = ReferenceEngine(ReferenceModelSpec.mla(), publisher=sink.append, profile="cpu-test", worker="w-o")
     rt.prefill(PROMPT[:9])
     rt.prefill(PROMPT)
     first, second = sink.observations
@@ -114,7 +114,7 @@ def test_prefills_are_observed_for_calibration():
 
 def test_save_announces_tier_copies_and_load_announces_restored_blocks(tmp_path):
     sink = Sink()
-    writer = ReferenceRuntime(ModelSpec.gqa(), publisher=sink.append)
+    writer = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=sink.append)
     writer.prefill(PROMPT)
     disk = DiskBackend(tmp_path, 1 << 20)
     writer.save(PROMPT, disk)
@@ -122,13 +122,13 @@ def test_save_announces_tier_copies_and_load_announces_restored_blocks(tmp_path)
     assert tier_event.tier is Tier.DISK and tier_event.is_tier_event
     assert tier_event.engine_hashes == tuple(engine_hashes(PROMPT, 4))
     quiet = Sink()
-    writer2 = ReferenceRuntime(ModelSpec.gqa(), publisher=quiet.append)
+    writer2 = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=quiet.append)
     writer2.prefill(PROMPT)
     writer2.save(PROMPT, HostMemoryBackend(1 << 20), announce=False)
     assert not any(e.tier is Tier.HOST for e in quiet.events(BlockStored))
 
     reader_sink = Sink()
-    reader = ReferenceRuntime(ModelSpec.gqa(), publisher=reader_sink.append)
+    reader = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=reader_sink.append)
     reader.load(PROMPT, disk)
     (loaded,) = reader_sink.events(BlockStored)
     assert loaded.tier is Tier.GPU and loaded.token_ids == tuple(PROMPT[:16])
@@ -139,4 +139,4 @@ def test_bad_prompts_are_refused(bad):
     from nexuskv.errors import IdentityError
 
     with pytest.raises(IdentityError):
-        ReferenceRuntime(ModelSpec.gqa()).prefill(bad)
+        ReferenceEngine(ReferenceModelSpec.gqa()).prefill(bad)

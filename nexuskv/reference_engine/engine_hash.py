@@ -1,8 +1,8 @@
-"""The reference runtime's own block hashes (its "engine hashes"), distinct from canonical keys.
+"""The reference engine's own block hashes (its "engine hashes"), distinct from canonical keys.
 
 An engine names its blocks with its own hashes and publishes them in ``BlockStored`` /
 ``BlockRemoved``; NexusKV maps them to canonical keys from the token ids of ``BlockStored``.
-The reference runtime's hash is deliberately *not* the canonical key, so consumers exercise
+The reference engine's hash is deliberately *not* the canonical key, so consumers exercise
 that mapping as they must for vLLM or SGLang::
 
     h_i = first 8 bytes, big-endian, of SHA-256("nexuskv-reference/1" || h_{i-1} as 8 bytes big-endian

@@ -1,4 +1,4 @@
-"""The reference runtime's seams for a KV connector: paged KV views, blocks allocated then filled."""
+"""The reference engine's seams for a KV connector: paged KV views, blocks allocated then filled."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch
 from nexuskv.descriptor import Tier
-from nexuskv.runtime import ModelSpec, ReferenceRuntime
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine
 
 PROMPT = list(range(1, 27))  # 6 full blocks of 4
 
 
-def _runtime(**kw) -> tuple[ReferenceRuntime, list[KvEventBatch]]:
+def _runtime(**kw) -> tuple[ReferenceEngine, list[KvEventBatch]]:
     batches: list[KvEventBatch] = []
-    rt = ReferenceRuntime(ModelSpec.gqa(), publisher=lambda r: batches.append(r) if isinstance(r, KvEventBatch)
+    rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=lambda r: batches.append(r) if isinstance(r, KvEventBatch)
                           else None, **kw)
     return rt, batches
 

@@ -6,13 +6,13 @@ import pytest
 
 from nexuskv.dataplane import DescriptorRegistry, HostMemoryBackend, PayloadHeader, PayloadKey, loadable
 from nexuskv.descriptor import DType, SemanticType, StateDescriptor
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, descriptor_for
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, descriptor_for
 
 PROMPT = [(7 * i + 3) % 256 for i in range(21)]
 
 
 def test_the_three_variants_describe_their_state():
-    gqa, mla, hybrid = (descriptor_for(s) for s in (ModelSpec.gqa(), ModelSpec.mla(), ModelSpec.hybrid()))
+    gqa, mla, hybrid = (descriptor_for(s) for s in (ReferenceModelSpec.gqa(), ReferenceModelSpec.mla(), ReferenceModelSpec.hybrid()))
     assert len({gqa.descriptor_id, mla.descriptor_id, hybrid.descriptor_id}) == 3
     assert (gqa.semantic_type, mla.semantic_type, hybrid.semantic_type) == (
         SemanticType.GQA, SemanticType.MLA, SemanticType.HYBRID)
@@ -32,12 +32,12 @@ def _layer_scope_variant(d: StateDescriptor) -> StateDescriptor:
 
 
 CASES = {
-    "variant": (ModelSpec.gqa(), ModelSpec.mla(), "layer_groups[0].semantic_type"),
-    "dtype": (ModelSpec.gqa(), ModelSpec.gqa(kv_dtype=DType.BFLOAT16), "dtype"),
-    "block size": (ModelSpec.gqa(), ModelSpec.gqa(block_size=8), "granularity.tokens"),
-    "checkpoint interval": (ModelSpec.hybrid(), ModelSpec.hybrid(checkpoint_interval=16),
+    "variant": (ReferenceModelSpec.gqa(), ReferenceModelSpec.mla(), "layer_groups[0].semantic_type"),
+    "dtype": (ReferenceModelSpec.gqa(), ReferenceModelSpec.gqa(kv_dtype=DType.BFLOAT16), "dtype"),
+    "block size": (ReferenceModelSpec.gqa(), ReferenceModelSpec.gqa(block_size=8), "granularity.tokens"),
+    "checkpoint interval": (ReferenceModelSpec.hybrid(), ReferenceModelSpec.hybrid(checkpoint_interval=16),
                             "layer_groups[1].granularity.tokens"),
-    "weights": (ModelSpec.gqa(), ModelSpec.gqa(seed=1), "model_revision"),
+    "weights": (ReferenceModelSpec.gqa(), ReferenceModelSpec.gqa(seed=1), "model_revision"),
 }
 
 
@@ -45,8 +45,8 @@ CASES = {
 def test_a_runtime_refuses_payloads_of_another_descriptor_with_the_reason(case):
     spec_a, spec_b, field = CASES[case]
     registry = DescriptorRegistry()
-    a = ReferenceRuntime(spec_a, registry=registry)
-    b = ReferenceRuntime(spec_b, registry=registry)
+    a = ReferenceEngine(spec_a, registry=registry)
+    b = ReferenceEngine(spec_b, registry=registry)
     assert a.describe().descriptor_id != b.describe().descriptor_id
     tier = HostMemoryBackend(1 << 20)
     a.prefill(PROMPT)
@@ -64,7 +64,7 @@ def test_a_runtime_refuses_payloads_of_another_descriptor_with_the_reason(case):
 
 def test_layer_scope_and_unknown_descriptors_are_refused():
     registry = DescriptorRegistry()
-    rt = ReferenceRuntime(ModelSpec.gqa(), registry=registry)
+    rt = ReferenceEngine(ReferenceModelSpec.gqa(), registry=registry)
     stage = _layer_scope_variant(rt.describe())
     registry.register(stage)
     key = rt.block_keys(PROMPT)[0]
@@ -75,7 +75,7 @@ def test_layer_scope_and_unknown_descriptors_are_refused():
 
 
 def test_payloads_of_another_prompt_are_refused():
-    rt = ReferenceRuntime(ModelSpec.gqa())
+    rt = ReferenceEngine(ReferenceModelSpec.gqa())
     other = [1] * 21
     outcome = rt.load(PROMPT, HostMemoryBackend(1 << 20), payloads=[rt.payload_key(rt.block_keys(other)[0])])
     assert "is not part of this prompt's state" in outcome.reason
@@ -84,8 +84,8 @@ def test_payloads_of_another_prompt_are_refused():
 def test_relabelled_bytes_do_not_load():
     """A payload copied under another descriptor's address fails its checksum: the header binds it."""
     registry = DescriptorRegistry()
-    a = ReferenceRuntime(ModelSpec.gqa(), registry=registry)
-    b = ReferenceRuntime(ModelSpec.gqa(seed=1), registry=registry)  # same shapes, other weights
+    a = ReferenceEngine(ReferenceModelSpec.gqa(), registry=registry)
+    b = ReferenceEngine(ReferenceModelSpec.gqa(seed=1), registry=registry)  # same shapes, other weights
     a.prefill(PROMPT)
     tier = HostMemoryBackend(1 << 20)
     for handle in a.save(PROMPT, tier).handles:
