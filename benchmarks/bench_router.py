@@ -24,7 +24,7 @@ import time
 
 from benchmarks._result import write_result
 from benchmarks.router_sim import SimConfig, compare, side_by_side
-from benchmarks.traces import CONVERSATION_TRACE, load_trace
+from benchmarks.trace_events import CONVERSATION_TRACE, load_trace
 from connectors.router import POLICY_NAMES
 
 _COLUMNS = ("mean_ttft_s", "p99_ttft_s", "mean_wait_s", "hit_rate", "local_hit_rate")

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from nexuskv.config import Settings
-from streams.services import SERVICES
+from streams.app.services import SERVICES
 
 COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "compose"
 
@@ -24,7 +24,7 @@ def test_compose_runs_every_registered_service_with_valid_settings():
     for module in modules:
         assert importlib.util.find_spec(module) is not None, module
     assert {s.module for s in SERVICES} <= modules | {"streams.index_api"}
-    assert "analytics.sink" in modules
+    assert "streams.sink" in modules
     env = services["planner"]["environment"]
     names = {f.json_schema_extra["env"] for f in Settings.model_fields.values()}
     assert set(env) <= names

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.router_sim import SimConfig, compare, side_by_side, sim_execution_policy
-from benchmarks.traces import CONVERSATION_SLICE, load_trace
+from benchmarks.trace_events import CONVERSATION_SLICE, load_trace
 from connectors.router import POLICY_NAMES, RouteHints, Router, local_prefix, predict
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.placement import HintKind, PlacementHint

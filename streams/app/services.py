@@ -43,7 +43,7 @@ SERVICES: tuple[Service, ...] = (
             "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
     Service("planner", "streams.planner_service",
             "plan requests -> decisions, placement hints and transfer commands, by Effective Gain"),
-    Service("decision-sink", "analytics.sink",
+    Service("decision-sink", "streams.sink",
             "decisions, transfer results and observations into the DuckDB decision store (single writer)"),
 )
 

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from analytics.sink import DecisionSink
+from streams.sink import DecisionSink
 from analytics.store import DecisionStore
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.dead_letter import DeadLetter

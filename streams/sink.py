@@ -10,7 +10,7 @@ drop the duplicates. Malformed records go to ``nexuskv.dead-letter`` with the re
 DuckDB I/O never runs on the event loop (``stack.md`` §1.8: a blocked loop stalls heartbeats):
 flushes run in a worker thread.
 
-Run: ``python -m analytics.sink`` (``NEXUSKV_BROKER``, ``NEXUSKV_DECISION_DB``).
+Run: ``python -m streams.sink`` (``NEXUSKV_BROKER``, ``NEXUSKV_DECISION_DB``).
 """
 
 from __future__ import annotations

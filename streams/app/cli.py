@@ -149,7 +149,7 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from streams.broker import open_bus
     from streams.process import free_port
-    from streams.services import start_services
+    from streams.app.services import start_services
     from streams.topics import ensure_topics
 
     stop = _Stop()
@@ -175,11 +175,11 @@ def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
-    from analytics.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
+    from streams.app.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
     from analytics.report import report
     from streams.broker import open_bus
     from streams.process import free_port
-    from streams.services import SERVICES, start_services
+    from streams.app.services import SERVICES, start_services
     from streams.topics import ensure_topics
 
     if not args.trace.is_file():

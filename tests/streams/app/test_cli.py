@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-NEXUSKV = [sys.executable, "-m", "streams.cli"]
+NEXUSKV = [sys.executable, "-m", "streams.app.cli"]
 
 
 def _run(args, **env):

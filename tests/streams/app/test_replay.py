@@ -11,10 +11,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from analytics.replay import select_requests
+from streams.app.replay import select_requests
 from analytics.schema import ALL_VIEWS
-from benchmarks.traces import CONVERSATION_SLICE
-from nexuskv.trace import load_trace
+from benchmarks.trace_events import CONVERSATION_SLICE
+from streams.app.traces import load_trace
 
 
 def test_conversation_selection_keeps_every_turn_in_time_order():
@@ -33,9 +33,9 @@ def test_short_replay_end_to_end(tmp_path):
     out = tmp_path / "replay"
     env = {k: v for k, v in os.environ.items() if k != "NEXUSKV_BROKER"}  # the embedded broker
     done = subprocess.run(
-        [sys.executable, "-m", "streams.cli", "replay", str(CONVERSATION_SLICE), "--conversations", "12",
+        [sys.executable, "-m", "streams.app.cli", "replay", str(CONVERSATION_SLICE), "--conversations", "12",
          "--workers", "2", "--gpu-pages", "48", "--time-scale", "30", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[2])
+        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     expected = len(select_requests(load_trace(CONVERSATION_SLICE), 200, conversations=12))
     assert f"{expected}/{expected}" in done.stderr  # the progress bar (the README's command shows it) ran to the end

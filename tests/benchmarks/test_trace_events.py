@@ -1,6 +1,6 @@
 """The Mooncake trace replay: its events rebuild exactly the simulated workers' caches."""
 
-from benchmarks.traces import BLOCK_TOKENS, CONVERSATION_SLICE, TraceReplay, load_trace
+from benchmarks.trace_events import BLOCK_TOKENS, CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.descriptor import Tier
 from nexuskv.index import GlobalIndex
 

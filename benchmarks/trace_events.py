@@ -40,8 +40,8 @@ import numpy as np
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
-from nexuskv.trace import HASH_BLOCK_TOKENS, TraceRequest
-from nexuskv.trace import load_trace as _load_trace
+from streams.app.traces import HASH_BLOCK_TOKENS, TraceRequest
+from streams.app.traces import load_trace as _load_trace
 
 __all__ = ["TraceRequest", "load_trace", "TraceReplay", "CONVERSATION_TRACE", "CONVERSATION_SLICE", "SYNTHETIC_TRACE",
            "HASH_BLOCK_TOKENS", "BLOCK_TOKENS"]
@@ -67,7 +67,7 @@ Block = tuple[int, int]  # (hash id, 16-token block within it)
 
 
 def load_trace(path: Path = CONVERSATION_TRACE, *, limit: int | None = None) -> list[TraceRequest]:
-    """:func:`nexuskv.trace.load_trace`, defaulting to the conversation trace."""
+    """:func:`streams.app.traces.load_trace`, defaulting to the conversation trace."""
     return _load_trace(path, limit=limit)
 
 

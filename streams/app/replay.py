@@ -10,7 +10,7 @@ What runs (all on one bus — the embedded broker unless ``NEXUSKV_BROKER`` name
   remote tier, each with a transfer executor (:mod:`streams.transfer_executor`) that moves real
   tensors between those tiers on the planner's transfer commands. Engines publish their
   lifecycle events and prefill observations (labelled with the request id) to the bus;
-* **the decision sink, in this process** — :class:`~analytics.sink.DecisionSink` writing
+* **the decision sink, in this process** — :class:`~streams.sink.DecisionSink` writing
   ``nexuskv.decisions``, ``nexuskv.transfer-results`` and ``nexuskv.observations`` into DuckDB.
 
 For each request, in trace order: its prompt (each 512-token hash id of the trace becomes
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analytics.sink import DecisionSink
+from streams.sink import DecisionSink
 from analytics.store import DecisionStore
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
@@ -55,7 +55,7 @@ from nexuskv.errors import NexusKVError
 from nexuskv.profiles import REFERENCE_CPU
 from nexuskv.reference_engine.engine import ReferenceEngine
 from nexuskv.reference_engine.spec import ReferenceModelSpec
-from nexuskv.trace import TraceRequest, load_trace
+from streams.app.traces import TraceRequest, load_trace
 from streams.bus import make_consumer, make_producer, send
 from streams.runtime_publisher import BusPublisher
 from streams.telemetry import tracer
