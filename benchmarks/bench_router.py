@@ -3,7 +3,7 @@
 Eight simulated workers (``benchmarks/router_sim.py``: the trace replay's LRU GPU and host
 caches, FIFO prefill queues, Llama-3.1-8B on one H200 each) serve the same requests three times,
 routed by NexusKV (the planner's Effective Gain), Dynamo's cost formula and llm-d's longest
-prefix × tier weight scorer (``nexuskv/routing.py``). Each request's predicted TTFT is its wait
+prefix × tier weight scorer (``nexuskv/routing_policies.py``). Each request's predicted TTFT is its wait
 in the routed worker's queue plus the planner's predicted service time there; the hit rate is
 the prompt tokens restored instead of computed (local hit rate: already in the routed worker's
 GPU cache).
@@ -22,10 +22,11 @@ import argparse
 import statistics
 import time
 
+from connectors.router import POLICY_NAMES
+
 from benchmarks._result import write_result
 from benchmarks.router_sim import SimConfig, compare, side_by_side
 from benchmarks.trace_events import CONVERSATION_TRACE, load_trace
-from connectors.router import POLICY_NAMES
 
 _COLUMNS = ("mean_ttft_s", "p99_ttft_s", "mean_wait_s", "hit_rate", "local_hit_rate")
 

@@ -449,7 +449,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     """Decide for ``query`` at time ``now`` (seconds since the epoch). Pure; see the module docstring.
 
     ``pollution_s_per_gib`` maps a worker to the price of displacing its resident GPU state
-    (:func:`nexuskv.placement.displacement_price`); the policy's default applies elsewhere.
+    (:func:`nexuskv.admission.displacement_price`); the policy's default applies elsewhere.
     """
     d = query.descriptor
     shape = _shape(d)

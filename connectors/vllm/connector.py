@@ -288,7 +288,8 @@ def scheduler_side(config: ConnectorConfig, *, settings: Any = None, base_model:
     from nexuskv.config import Settings
     from nexuskv.dataplane.disk import stored_header
     from nexuskv.dataplane.remote import RemoteBackend
-    from nexuskv.policy import ExecutionPolicy, PolicyFile
+    from nexuskv.policy import ExecutionPolicy
+    from streams.policy_file import PolicyFile
 
     settings = settings or Settings.from_env()
     if settings.broker_url is None:

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from nexuskv.descriptor import Tier
-from nexuskv.placement import (
+from nexuskv.admission import (
     EvictionKind,
     Resident,
     TierBudget,
@@ -19,6 +18,7 @@ from nexuskv.placement import (
     pin,
     utility,
 )
+from nexuskv.descriptor import Tier
 
 NOW = 1000.0
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""Placement: admission and eviction by one utility, with pins, TTLs, tier budgets, demotion or drop.
+"""Admission and eviction by one utility, with pins, TTLs, tier budgets, demotion or drop.
 
 The utility of keeping a unit of state in a tier is its expected gain per byte there
 (whitepaper §7.5)::

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from nexuskv.contract import Contract
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation
 from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TRANSFER_RESULTS, Topic
