@@ -1,32 +1,99 @@
 """aiokafka producers and consumers that speak NexusKV's topic contracts.
 
 Every record on a NexusKV topic is a versioned contract encoded by :mod:`nexuskv.contracts.codec`;
-keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A consumer that cannot decode a record builds a :class:`DeadLetter` for
-it (:func:`dead_letter_for`) instead of dropping or crashing.
+keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A
+consumer that cannot decode a record builds a :class:`DeadLetter` for it (:func:`dead_letter_for`)
+instead of dropping or crashing.
+
+**Signed kv-events.** :func:`send` signs every :class:`~nexuskv.contracts.kv_events.KvEventBatch`
+it sends (header of :mod:`nexuskv.contracts.kv_signature`) with its publisher's key, when this
+process has one: from ``NEXUSKV_PUBLISHER_KEYS``, else derived from ``NEXUSKV_BUS_SECRET``
+(:class:`BatchSigner`, read from the environment once, at the first send). Every publisher —
+the reference engine's bus publisher, the ZMQ bridge, the synchronous plugins' background bus —
+sends through here, so none of them signs on its own.
 
 Client settings that decide start-up and rebalance latency live in :mod:`streams.tuning`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
-from nexuskv.config import BrokerUrl
-from nexuskv.contracts import codec
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts import codec, kv_signature
 from nexuskv.contracts.base import Contract
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
+from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError
 from streams import tuning
 from streams.telemetry import carrier_headers
 
-__all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter"]
+__all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter",
+           "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue"]
 
 Headers = Sequence[tuple[str, bytes]]
+log = logging.getLogger(__name__)
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+#: ``signer=FROM_ENV``: the process's :func:`default_signer`.
+FROM_ENV: Final = _FromEnv()
+
+
+class BatchSigner:
+    """Signing keys of the publishers this process sends for: given per publisher, or derived
+    from the bus secret (which can sign for anyone)."""
+
+    def __init__(self, *, bus_secret: bytes = b"", keys: Mapping[str, bytes] | None = None) -> None:
+        self._secret = bus_secret
+        self._keys = dict(keys or {})
+        self._derived: OrderedDict[str, bytes] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BatchSigner:
+        return cls(bus_secret=settings.bus_secret_bytes, keys=settings.publisher_key_map)
+
+    def __bool__(self) -> bool:
+        return bool(self._secret or self._keys)
+
+    def key_for(self, publisher: str) -> bytes | None:
+        key = self._keys.get(publisher)
+        if key is not None or not self._secret:
+            return key
+        key = self._derived.get(publisher)
+        if key is None:
+            key = self._derived[publisher] = kv_signature.publisher_key(self._secret, publisher)
+            while len(self._derived) > 4096:
+                self._derived.popitem(last=False)
+        return key
+
+    def header(self, publisher: str, record_key: bytes, value: bytes) -> tuple[str, bytes] | None:
+        key = self.key_for(publisher)
+        if key is None:
+            return None
+        return kv_signature.SIGNATURE_HEADER, kv_signature.sign(key, record_key, value)
+
+
+@functools.cache
+def default_signer() -> BatchSigner:
+    """This process's signer, from ``NEXUSKV_BUS_SECRET`` and ``NEXUSKV_PUBLISHER_KEYS`` (read once)."""
+    return BatchSigner.from_settings(Settings.from_env())
+
+
+_unsigned_warned: set[str] = set()
 
 
 def make_producer(url: BrokerUrl, *, client_id: str, **overrides: Any) -> AIOKafkaProducer:
@@ -45,12 +112,38 @@ def make_consumer(url: BrokerUrl, *topics: Topic, client_id: str, group_id: str 
                             client_id=client_id, group_id=group_id, **settings)
 
 
+def record_headers(key: bytes, payload: bytes, value: Contract, headers: Headers | None,
+                   signer: BatchSigner | _FromEnv | None = FROM_ENV) -> list[tuple[str, bytes]]:
+    """The headers of a record: the trace context, and a kv-events batch's signature."""
+    out = [(k, v) for k, v in carrier_headers(headers) if k != kv_signature.SIGNATURE_HEADER]
+    if isinstance(value, KvEventBatch) and signer is not None:
+        chosen = default_signer() if isinstance(signer, _FromEnv) else signer
+        header = chosen.header(value.publisher, key, payload) if chosen else None
+        if header is not None:
+            out.append(header)
+        elif chosen and value.publisher not in _unsigned_warned and len(_unsigned_warned) < 64:
+            _unsigned_warned.add(value.publisher)
+            log.warning("no signing key for publisher %s: its batches go out unsigned", value.publisher)
+    return out
+
+
 async def send(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
-               headers: Headers | None = None) -> RecordMetadata:
-    """Encode and send, carrying the current trace context; returns once the broker acknowledged."""
-    fut = await producer.send(topic.name, codec.encode(topic, value), key=key.encode("utf-8"),
-                              headers=carrier_headers(headers) or None)
-    return await fut
+               headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
+               ) -> RecordMetadata:
+    """Encode and send, carrying the current trace context (and, for a kv-events batch, its
+    publisher's signature); returns once the broker acknowledged."""
+    return await (await send_nowait(producer, topic, key, value, headers, signer=signer))
+
+
+async def send_nowait(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
+                      headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
+                      ) -> Any:
+    """As :func:`send`, returning once the record is queued: await the returned future for the
+    broker's acknowledgement (so that many records share a round trip)."""
+    raw_key = key.encode("utf-8")
+    payload = codec.encode(topic, value)
+    return await producer.send(topic.name, payload, key=raw_key,
+                               headers=record_headers(raw_key, payload, value, headers, signer) or None)
 
 
 def decode_record(topic: Topic, record: ConsumerRecord) -> Contract:
@@ -78,5 +171,36 @@ def dead_letter_for(topic_name: str, record: ConsumerRecord | None, error: BaseE
     )
 
 
-async def send_dead_letter(producer: AIOKafkaProducer, letter: DeadLetter) -> RecordMetadata:
-    return await send(producer, DEAD_LETTER, letter.source_topic, letter)
+async def send_dead_letter(producer: AIOKafkaProducer, letter: DeadLetter, topic: Topic = DEAD_LETTER) -> RecordMetadata:
+    return await send(producer, topic, letter.source_topic, letter)
+
+
+class DeadLetterQueue:
+    """Dead letters sent in batches: :meth:`put` queues one (a round trip is shared by every
+    letter queued meanwhile), :meth:`flush` returns once the broker acknowledged all of them.
+
+    A service calls :meth:`flush` before it records progress past the rejected records (a
+    checkpoint, an offset commit), so a letter is never lost behind that progress. At most
+    ``max_pending`` letters wait unacknowledged; :meth:`put` flushes beyond that."""
+
+    def __init__(self, producer: AIOKafkaProducer, topic: Topic = DEAD_LETTER, *, max_pending: int = 2000) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.max_pending = max_pending
+        self._pending: list[Any] = []
+        self.sent = 0
+
+    async def put(self, letter: DeadLetter) -> None:
+        self._pending.append(await send_nowait(self.producer, self.topic, letter.source_topic, letter))
+        if len(self._pending) >= self.max_pending:
+            await self.flush()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    async def flush(self) -> int:
+        pending, self._pending = self._pending, []
+        if pending:
+            await asyncio.gather(*pending)  # a failure propagates: the caller records no progress past it
+        self.sent += len(pending)
+        return len(pending)

@@ -71,6 +71,11 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status once the process has ended (negative: killed by that signal); else None."""
+        return self._proc.poll() if self._proc is not None else None
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
