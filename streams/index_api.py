@@ -42,6 +42,7 @@ from nexuskv.config import Settings
 from nexuskv.errors import ConfigError, IdentityError, NexusKVError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
+from streams.process import freeze_startup_heap
 from streams.replica import IndexReplica
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import HEALTH, init_service
@@ -168,6 +169,7 @@ async def _serve(settings: Settings, stop: Any) -> None:
     site = web.TCPSite(runner, settings.index_api_host, settings.index_api_port)
     await site.start()
     HEALTH.set_ready("http", True)
+    freeze_startup_heap()
     log.info("index lookup endpoint on http://%s:%d", settings.index_api_host, settings.index_api_port)
     try:
         await supervisor.until(stop)

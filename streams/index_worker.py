@@ -43,9 +43,10 @@ from the log's start. Faust's own changelog recovery is not used (unreliable on 
 ``stack.md`` §2.5). Partitions that moved to another worker keep their state here until they come
 back (then the gap is read as above); a checkpoint never overwrites a newer one.
 
-**No record holds the loop.** A batch is applied event by event (:meth:`GlobalIndex.apply_steps`),
-and the worker yields to its event loop every few milliseconds of work, so timers and the
-consumer's heartbeats keep running; checkpoints are taken between batches, never inside one.
+**No record holds the loop.** A large record is decoded in slices (:meth:`KvIntake.take`) and
+every batch is applied event by event (:meth:`GlobalIndex.apply_steps`); the worker yields to its
+event loop every few milliseconds of work, so timers and the consumer's heartbeats keep running;
+checkpoints are taken between batches, never inside one.
 
 **Lookups and scale-out.** Workers of one group split the partitions, so each holds the
 publishers of its partitions only. Lookups are not served from here: a lookup needs every
@@ -89,16 +90,16 @@ from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.index import ApplyOutcome, GlobalIndex
 from streams.bus import DeadLetterQueue, dead_letter_for, make_consumer, make_producer
 from streams.faust_app import make_faust_app
-from streams.kv_intake import KvIntake
+from streams.kv_intake import SLICE_S, KvIntake, Slicer
+from streams.process import freeze_startup_heap
 from streams.telemetry import HEALTH, METRICS, init_service
 
 __all__ = ["IndexWorker", "PartitionCheckpoint", "read_checkpoint", "checkpoint_path", "load_checkpoints",
-           "remove_stale_temporaries", "apply_sliced", "main"]
+           "remove_stale_temporaries", "apply_sliced", "SLICE_S", "main"]
 
 log = logging.getLogger("nexuskv.index_worker")
 SERVICE = "index-worker"
 APP_NAME = "nexuskv-index"
-SLICE_S = 0.002  # most seconds of index work between two yields to the event loop
 _TMP_SUFFIX = ".tmp"
 
 
@@ -198,18 +199,16 @@ def _checkpoint_publishers(data: bytes) -> tuple[str, ...]:
     return tuple(str(item["name"]) for item in doc.get("publishers", ()))
 
 
-async def apply_sliced(index: GlobalIndex, batch: KvEventBatch, *, slice_s: float = SLICE_S) -> ApplyOutcome:
-    """Apply ``batch``, yielding to the event loop after every ``slice_s`` of work."""
+async def apply_sliced(index: GlobalIndex, batch: KvEventBatch, slicer: Slicer | None = None) -> ApplyOutcome:
+    """Apply ``batch``, yielding to the event loop whenever ``slicer``'s slice of work has passed."""
+    slicer = slicer or Slicer()
     steps = index.apply_steps(batch)
-    began = time.perf_counter()
     while True:
         try:
             next(steps)
         except StopIteration as done:
             return done.value
-        if time.perf_counter() - began >= slice_s:
-            await asyncio.sleep(0)
-            began = time.perf_counter()
+        await slicer.pause()
 
 
 @dataclass(slots=True)
@@ -344,13 +343,14 @@ class IndexWorker:
 
     async def _apply(self, partition: int, part: _Partition, offset: int, record: Any) -> None:
         self.records += 1
+        slicer = Slicer()
         try:
-            batch = self.intake.batch(record)
+            batch = await self.intake.take(record, slicer)
         except ContractError as exc:
             await self._dead_letter(record, exc)
         else:
             part.publishers.add(batch.publisher)  # the intake checked that it is keyed to this partition
-            outcome = await apply_sliced(self.index, batch)
+            outcome = await apply_sliced(self.index, batch, slicer)
             if outcome.status == "refused":
                 status = self.index.publisher_status(batch.publisher)
                 reason = status.reason if status is not None and status.reason else "refused sequence number"
@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                          partitions=partitions, topic=args.topic, group=args.group,
                          dead_letter_topic=args.dead_letter_topic, bus_secret=settings.bus_secret_bytes)
     worker.app.conf.worker_redirect_stdouts = False
+    freeze_startup_heap()
     faust.Worker(worker.app, loglevel=settings.log_level, quiet=True).execute_from_commandline()
     return 0
 

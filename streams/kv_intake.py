@@ -24,23 +24,67 @@ stale incarnations, bounded jumps).
 A change of the topic's partition count moves keys to other partitions: their records are then
 refused as misplaced until the workers and replicas restart with the new count (and the
 publishers' ordering is broken anyway: resync them).
+
+**Decoding never holds the loop.** A batch may carry 65,536 events (a vLLM step that evicts
+thousands of blocks emits one removal per block), and decoding that with :mod:`nexuskv.contracts.codec`
+in one go takes ~0.5 s. :meth:`KvIntake.take` decodes a payload above :data:`INLINE_BYTES` in
+slices — the msgpack stream is read one event at a time, events are validated in chunks, and a
+:class:`Slicer` yields to the event loop every few milliseconds — with the same checks (size,
+encoding, top-level map, schema version, the contract) and the same reasons as ``codec.decode``
+(the count of further errors in a reason covers the chunk of the first one). The cost of one
+record is then bounded by the cost of one event (which the contract bounds: 4,096 blocks, 2**20
+tokens), not by the size of the batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
 from typing import Any
 
+import msgpack
+import pydantic
 from aiokafka.partitioner import murmur2
+from pydantic import TypeAdapter
 
 from nexuskv.contracts import codec, kv_signature
-from nexuskv.contracts.kv_events import KvEventBatch
+from nexuskv.contracts.kv_events import MAX_EVENTS_PER_BATCH, KvEvent, KvEventBatch
 from nexuskv.contracts.topics import Topic
-from nexuskv.errors import ContractError, UnauthenticatedError
+from nexuskv.errors import ContractError, SchemaVersionError, UnauthenticatedError
 
-__all__ = ["KvIntake", "partition_of"]
+__all__ = ["KvIntake", "Slicer", "partition_of", "INLINE_BYTES", "SLICE_S"]
 
 _CACHE = 1 << 14
+INLINE_BYTES = 32 << 10  # payloads up to this size decode in one go (well under a millisecond or two)
+SLICE_S = 0.002  # most seconds of work between two yields to the event loop
+_CHUNK = 256  # events validated at a time
+_EVENTS = TypeAdapter(list[KvEvent])
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+                  msgpack.UnpackException, UnicodeDecodeError, RecursionError)
+_TYPE_OF_FIRST_BYTE = (((0x90, 0x9F), "list"), ((0xDC, 0xDD), "list"), ((0xA0, 0xBF), "str"), ((0xD9, 0xDB), "str"),
+                       ((0xC4, 0xC6), "bytes"), ((0x00, 0x7F), "int"), ((0xE0, 0xFF), "int"), ((0xCC, 0xD3), "int"),
+                       ((0xCA, 0xCB), "float"), ((0xC0, 0xC0), "NoneType"), ((0xC2, 0xC3), "bool"))
+
+
+class Slicer:
+    """Yields to the event loop once ``slice_s`` of work has passed since the last yield."""
+
+    __slots__ = ("slice_s", "_began", "pauses")
+
+    def __init__(self, slice_s: float = SLICE_S) -> None:
+        self.slice_s = slice_s
+        self._began = time.perf_counter()
+        self.pauses = 0
+
+    async def pause(self) -> None:
+        if time.perf_counter() - self._began >= self.slice_s:
+            await asyncio.sleep(0)
+            self.pauses += 1
+            self._began = time.perf_counter()
+
+    def restart(self) -> None:
+        self._began = time.perf_counter()
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -82,7 +126,28 @@ class KvIntake:
         return k
 
     def batch(self, record: Any) -> KvEventBatch:
-        """The record's batch, or ContractError saying why it may not be applied."""
+        """The record's batch, or ContractError saying why it may not be applied (decoded in one go)."""
+        key, value = self._check(record)
+        return self._same_publisher(key, codec.decode(self.topic, value))
+
+    async def take(self, record: Any, slicer: Slicer) -> KvEventBatch:
+        """As :meth:`batch`, decoding a large payload in slices (``slicer`` yields the loop)."""
+        key, value = self._check(record)
+        if len(value) <= INLINE_BYTES:
+            batch = codec.decode(self.topic, value)
+        else:
+            batch = await _decode_sliced(value, slicer)
+        return self._same_publisher(key, batch)
+
+    def _same_publisher(self, key: bytes, batch: Any) -> KvEventBatch:
+        assert isinstance(batch, KvEventBatch)
+        if batch.publisher.encode("utf-8") != key:
+            raise ContractError(f"batch of publisher {batch.publisher[:80]!r} under record key {key[:80]!r}: a "
+                                "kv-events record must be keyed by its batch's publisher", path="publisher")
+        return batch
+
+    def _check(self, record: Any) -> tuple[bytes, bytes]:
+        """Key, partition and signature; returns (key, value)."""
         key = record.key
         if not key:
             raise ContractError("record has no key: kv-events records are keyed by their publisher", path="key")
@@ -102,9 +167,93 @@ class KvIntake:
                                       kv_signature.signature_of(record.headers))
             if why is not None:
                 raise UnauthenticatedError(f"unauthenticated batch for publisher key {key[:80]!r}: {why}")
-        batch = codec.decode(self.topic, value)
-        assert isinstance(batch, KvEventBatch)
-        if batch.publisher.encode("utf-8") != key:
-            raise ContractError(f"batch of publisher {batch.publisher[:80]!r} under record key {key[:80]!r}: a "
-                                "kv-events record must be keyed by its batch's publisher", path="publisher")
-        return batch
+        return key, bytes(value)
+
+
+def _type_name(first: int) -> str:
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        return "dict"
+    for (lo, hi), name in _TYPE_OF_FIRST_BYTE:
+        if lo <= first <= hi:
+            return name
+    return "ext"
+
+
+def _undecodable(exc: BaseException) -> ContractError:
+    return ContractError(f"undecodable msgpack: {type(exc).__name__}: {exc}"[:400])
+
+
+def _chunk_error(exc: pydantic.ValidationError, offset: int) -> ContractError:
+    errors = exc.errors()
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc and isinstance(loc[0], int):
+        loc[0] += offset
+    path = ".".join(str(p) for p in ["events", *loc])
+    msg = str(first.get("msg", "invalid"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    suffix = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    err = ContractError(f"KvEventBatch.{path}: {msg}{suffix}")
+    err.path = path
+    return err
+
+
+async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
+    """``codec.decode(KV_EVENTS, raw)``, in slices (see the module docstring)."""
+    if len(raw) > codec.MAX_PAYLOAD_BYTES:
+        raise ContractError(f"payload of {len(raw)} bytes exceeds {codec.MAX_PAYLOAD_BYTES}")
+    # No valid map of the contract has more than a dozen keys: a hostile huge map is refused at its header.
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_map_len=64,
+                                max_buffer_size=len(raw) + 1)
+    unpacker.feed(raw)
+    envelope: dict[str, Any] = {}
+    events: Any = ()
+    try:
+        try:
+            fields = unpacker.read_map_header()
+        except ValueError:
+            raise ContractError(f"top level must be a map, got {_type_name(raw[0])}") from None
+        for _ in range(fields):
+            name = unpacker.unpack()
+            if name != "events":
+                envelope[name] = unpacker.unpack()
+                continue
+            try:
+                count = unpacker.read_array_header()
+            except ValueError:
+                events = unpacker.unpack()  # not a list: the contract says why below
+                continue
+            if count > MAX_EVENTS_PER_BATCH:
+                raise ContractError(f"KvEventBatch.events: Tuple should have at most {MAX_EVENTS_PER_BATCH} items "
+                                    f"after validation, not {count}")
+            events = []
+            for _ in range(count):
+                events.append(unpacker.unpack())
+                if len(events) % 64 == 0:
+                    await slicer.pause()
+        if unpacker.tell() != len(raw):
+            raise msgpack.ExtraData(envelope, raw[unpacker.tell():])
+    except ContractError:
+        raise
+    except _UNPACK_ERRORS as exc:
+        raise _undecodable(exc) from None
+    if "schema_version" not in envelope:
+        raise SchemaVersionError("schema_version is missing", path="schema_version")
+    version = envelope["schema_version"]
+    if version != 1 or isinstance(version, bool):
+        raise SchemaVersionError(f"schema_version {version!r} is not supported (this build reads 1)",
+                                 path="schema_version")
+    head = KvEventBatch.model_validate({**envelope, "events": ()})
+    if not isinstance(events, list):
+        KvEventBatch.model_validate({**envelope, "events": events})  # raises the contract's reason
+    done: list[Any] = []
+    for start in range(0, len(events), _CHUNK):
+        try:
+            done.extend(_EVENTS.validate_python(events[start:start + _CHUNK]))
+        except pydantic.ValidationError as exc:
+            raise _chunk_error(exc, start) from None
+        except RecursionError:
+            raise ContractError("payload nested too deeply") from None
+        await slicer.pause()
+    return head.model_copy(update={"events": tuple(done)})

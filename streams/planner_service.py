@@ -84,6 +84,7 @@ from streams import tuning
 from streams.bus import DeadLetterQueue, dead_letter_for, make_consumer, make_producer
 from streams.cost_models import CostModelReplica
 from streams.policy_file import PolicyFile
+from streams.process import freeze_startup_heap
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import (
     HEALTH,
@@ -428,6 +429,7 @@ async def _run(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:
     try:
         await service.start(timeout_s=settings.broker_start_timeout_s)
         service.watch(replica.task, name="index-replica")
+        freeze_startup_heap()
         assert service.supervisor is not None
         await service.supervisor.until(stop)
     finally:

@@ -9,10 +9,10 @@ worker's group puts them in the dead-letter topic once). It starts from the log'
 from the index worker's checkpoint folder when given one (each partition's checkpoint, then the
 log from its offset).
 
-**It never holds the loop.** Records are applied event by event
-(:func:`streams.index_worker.apply_sliced`), yielding to the event loop after every
-:data:`~streams.index_worker.SLICE_S` of work, so one large batch (65,536 clears) delays the
-planner's decisions by milliseconds, not seconds. A lookup between two slices sees the state
+**It never holds the loop.** Large records are decoded in slices and every batch is applied
+event by event (:meth:`streams.kv_intake.KvIntake.take`, :func:`streams.index_worker.apply_sliced`),
+yielding to the event loop after every :data:`~streams.kv_intake.SLICE_S` of work, so one large
+batch (65,536 clears) delays the planner's decisions by milliseconds, not seconds. A lookup between two slices sees the state
 after a prefix of that batch's events, which the publisher itself went through, and the lag says
 the replica is behind.
 
@@ -63,8 +63,8 @@ from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
 from streams.bus import make_consumer
-from streams.index_worker import SLICE_S, apply_sliced, load_checkpoints
-from streams.kv_intake import KvIntake
+from streams.index_worker import apply_sliced, load_checkpoints
+from streams.kv_intake import SLICE_S, KvIntake, Slicer
 from streams.telemetry import METRICS
 
 __all__ = ["IndexReplica", "KEYER_CACHE", "FROM_ENV"]
@@ -180,7 +180,7 @@ class IndexReplica:
         intake = self.intake
         while True:
             got = await consumer.getmany(timeout_ms=200, max_records=2000)
-            began = time.perf_counter()
+            slicer = Slicer(self.slice_s)
             for tp, records in got.items():
                 for record in records:
                     p = tp.partition
@@ -191,23 +191,20 @@ class IndexReplica:
                         if first > self._next[p]:  # the consumer was reset past records that are gone
                             self._cannot_rebuild(p, self._next[p], first, ())
                     self.records += 1
+                    self._applying = True
                     try:
-                        batch = intake.batch(record)
+                        batch = await intake.take(record, slicer)
                     except ContractError:
                         self.malformed += 1
                     else:
-                        self._applying = True
-                        try:
-                            outcome = await apply_sliced(self.index, batch, slice_s=self.slice_s)
-                        finally:
-                            self._applying = False
+                        outcome = await apply_sliced(self.index, batch, slicer)
                         if outcome.status == "refused":
                             self.refused += 1
+                    finally:
+                        self._applying = False
                     self._next[p] = record.offset + 1
                     self._last_ts_ms[p] = float(record.timestamp)
-                    if time.perf_counter() - began >= self.slice_s:
-                        await asyncio.sleep(0)  # let lookups in between records
-                        began = time.perf_counter()
+                    await slicer.pause()  # let lookups in between records
             if got:
                 await asyncio.sleep(0)
 

@@ -21,7 +21,6 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.contracts import codec
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.kv_events import KvEventBatch
@@ -33,6 +32,8 @@ from streams.index_worker import checkpoint_path, read_checkpoint
 from streams.process import ManagedProcess, free_port
 from streams.replica import IndexReplica
 from streams.topics import ensure_topics
+
+from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
 
 pytestmark = pytest.mark.broker
 PARTITIONS = 4
