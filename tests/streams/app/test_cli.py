@@ -88,3 +88,34 @@ def test_up_starts_and_stops_cleanly(sig, tmp_path):
     while time.monotonic() < deadline and not all(_gone(c) for c in children):
         time.sleep(0.1)
     assert all(_gone(c) for c in children), "a process outlived nexuskv up"
+
+
+@pytest.mark.broker
+def test_up_notices_a_dead_service_stops_the_rest_and_exits_non_zero(kafka_url, tmp_path):
+    from streams.process import free_port
+
+    env = {**os.environ, "NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path),
+           "NEXUSKV_INDEX_API_PORT": str(free_port())}
+    proc = subprocess.Popen(NEXUSKV + ["up"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C to stop" in line or not line:
+                break
+        assert any("Ctrl-C to stop" in line for line in lines), lines
+        children = _children(proc.pid)
+        victim = next(c for c in children if "streams.calibration_agent" in open(f"/proc/{c}/cmdline").read())
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "service calibration was killed by signal 9" in out, out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(c) for c in children):
+        time.sleep(0.1)
+    assert all(_gone(c) for c in children), "a service outlived nexuskv up"
