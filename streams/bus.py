@@ -22,9 +22,11 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from nexuskv.config import BrokerUrl, Settings
@@ -38,7 +40,8 @@ from streams import tuning
 from streams.telemetry import carrier_headers
 
 __all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter",
-           "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue"]
+           "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue",
+           "is_transient", "retry_transient"]
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger(__name__)
@@ -94,6 +97,38 @@ def default_signer() -> BatchSigner:
 
 
 _unsigned_warned: set[str] = set()
+_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+T = TypeVar("T")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A Kafka error that a broker outage, election or rebalance causes, and that passes."""
+    return isinstance(exc, KafkaError) and (bool(getattr(exc, "retriable", False)) or isinstance(exc, KafkaTimeoutError))
+
+
+async def retry_transient(op: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """``await op()`` until it succeeds, waiting out transient broker errors (backoff up to 5 s);
+    any other error propagates. While it waits, the service's readiness says why (``/readyz``),
+    so a broker outage is survived and reported, not fatal."""
+    from streams.telemetry import HEALTH
+
+    attempt = 0
+    while True:
+        try:
+            result = await op()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            HEALTH.set_ready("broker", False, f"{what}: {type(exc).__name__}")
+            if attempt == 0 or attempt % 10 == 0:
+                log.warning("%s failed (%s: %s); retrying while the broker is away", what, type(exc).__name__, exc)
+            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+            continue
+        if attempt:
+            HEALTH.set_ready("broker", True)
+            log.info("%s succeeded after %d retries", what, attempt)
+        return result
 
 
 def make_producer(url: BrokerUrl, *, client_id: str, **overrides: Any) -> AIOKafkaProducer:
@@ -187,11 +222,15 @@ class DeadLetterQueue:
         self.producer = producer
         self.topic = topic
         self.max_pending = max_pending
-        self._pending: list[Any] = []
+        self._pending: list[tuple[DeadLetter, Any]] = []
         self.sent = 0
 
+    async def _queue(self, letter: DeadLetter) -> Any:
+        return await retry_transient(lambda: send_nowait(self.producer, self.topic, letter.source_topic, letter),
+                                     what="queueing a dead letter")
+
     async def put(self, letter: DeadLetter) -> None:
-        self._pending.append(await send_nowait(self.producer, self.topic, letter.source_topic, letter))
+        self._pending.append((letter, await self._queue(letter)))
         if len(self._pending) >= self.max_pending:
             await self.flush()
 
@@ -199,8 +238,23 @@ class DeadLetterQueue:
         return len(self._pending)
 
     async def flush(self) -> int:
+        """Wait until every queued letter is acknowledged; letters whose send failed for a transient
+        reason (a broker outage) are sent again until they are."""
         pending, self._pending = self._pending, []
-        if pending:
-            await asyncio.gather(*pending)  # a failure propagates: the caller records no progress past it
-        self.sent += len(pending)
-        return len(pending)
+        done = 0
+        while pending:
+            results = await asyncio.gather(*(fut for _letter, fut in pending), return_exceptions=True)
+            failed = []
+            for (letter, _fut), result in zip(pending, results):
+                if isinstance(result, BaseException):
+                    if not is_transient(result):
+                        raise result  # the caller records no progress past the letters not sent
+                    failed.append(letter)
+                else:
+                    done += 1
+            if failed:
+                log.warning("%d dead letters not acknowledged; sending them again", len(failed))
+                await asyncio.sleep(0.5)
+            pending = [(letter, await self._queue(letter)) for letter in failed]
+        self.sent += done
+        return done

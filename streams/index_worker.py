@@ -57,8 +57,8 @@ into one index, answer identically); when one dies, the survivor is assigned its
 rebuilds them from the log. A replica may bootstrap from the workers' checkpoint folder instead
 of replaying the whole log.
 
-**Supervision.** A failure that is not a refused record (a bug, a lost broker past the client's
-retries) crashes the Faust app, and the process exits non-zero, so ``nexuskv up`` or an
+**Supervision.** A broker outage is waited out. A failure that is neither a refused record nor a
+transient broker error (a bug, a full disk) crashes the Faust app, and the process exits non-zero, so ``nexuskv up`` or an
 orchestrator sees it; liveness and readiness (every assigned partition opened) are reported on
 the metrics port (``/livez``, ``/readyz``).
 
@@ -82,13 +82,14 @@ from typing import Any
 
 import msgpack
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS, Topic
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.index import ApplyOutcome, GlobalIndex
-from streams.bus import DeadLetterQueue, dead_letter_for, make_consumer, make_producer
+from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
 from streams.faust_app import make_faust_app
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
 from streams.process import freeze_startup_heap
@@ -303,7 +304,7 @@ class IndexWorker:
     async def _reader_consumer(self) -> AIOKafkaConsumer:
         if self._reader is None:
             reader = make_consumer(self.url, client_id=f"{SERVICE}-catch-up", group_id=None)
-            await reader.start()
+            await retry_transient(reader.start, what="connecting the catch-up reader")
             self._reader = reader
         return self._reader
 
@@ -312,7 +313,7 @@ class IndexWorker:
         start = part.next_offset
         tp = TopicPartition(self.topic.name, partition)
         consumer = await self._reader_consumer()
-        first = (await consumer.beginning_offsets([tp]))[tp]
+        first = (await retry_transient(lambda: consumer.beginning_offsets([tp]), what="reading a partition's start"))[tp]
         if first > part.next_offset:
             self._unrecoverable(partition, part, first)
         consumer.assign([tp])
@@ -391,7 +392,14 @@ class IndexWorker:
             return
         consumer = await self._reader_consumer()
         tps = [TopicPartition(self.topic.name, p) for p in assigned]
-        ends = {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+        try:
+            ends = {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+        except KafkaError as exc:
+            if not is_transient(exc):
+                raise
+            HEALTH.set_ready("broker", False, f"end offsets: {type(exc).__name__}")
+            return  # the broker is away: the next tick looks again
+        HEALTH.set_ready("broker", True)
         now = time.monotonic()
         for p in assigned:
             async with self._lock:

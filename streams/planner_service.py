@@ -18,7 +18,8 @@ nested too deeply or cut short is a refused edit like any other).
 Supervision: the serve, cost-model follower, ticker and committer tasks run under a
 :class:`streams.supervisor.Supervisor` (with the index replica's apply task, when ``main`` wires
 one): if one fails, the others stop, :meth:`PlannerService.wait` raises, and the process exits
-non-zero instead of answering ``/metrics`` while it no longer plans. Readiness (partitions held,
+non-zero instead of answering ``/metrics`` while it no longer plans. A broker outage is not a
+failure: sends and commits wait it out (readiness says so meanwhile) and go on when it is back. Readiness (partitions held,
 cost models followed) is on ``/readyz``; liveness on ``/livez``. A tick that fails on one
 transfer's bookkeeping is logged and the next tick goes on.
 
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
@@ -81,7 +83,7 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
-from streams.bus import DeadLetterQueue, dead_letter_for, make_consumer, make_producer
+from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
 from streams.cost_models import CostModelReplica
 from streams.policy_file import PolicyFile
 from streams.process import freeze_startup_heap
@@ -329,13 +331,21 @@ class PlannerService:
             await self._producer.stop()
 
     async def _send_all(self, records: list[Outgoing]) -> None:
-        if self._producer is None:
+        """Send and wait for every acknowledgement; a broker outage is waited out (records sent
+        again: delivery is at least once, and record ids let consumers drop the repeats)."""
+        producer = self._producer
+        if producer is None:
             raise BrokerError(f"{self.service}: not started")
-        futures = [await self._producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
-                                             headers=list(r.headers) or None)
-                   for r in records]
-        if futures:
+        if not records:
+            return
+
+        async def once() -> None:
+            futures = [await producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
+                                           headers=list(r.headers) or None)
+                       for r in records]
             await asyncio.gather(*futures)
+
+        await retry_transient(once, what=f"{self.service}: publishing {len(records)} records")
 
     async def _serve(self) -> None:
         consumer, producer = self._consumer, self._producer
@@ -377,7 +387,14 @@ class PlannerService:
     async def _commit(self) -> None:
         if self._acked and self._consumer is not None:
             offsets, self._acked = self._acked, {}
-            await self._consumer.commit(offsets)
+            try:
+                await self._consumer.commit(offsets)
+            except KafkaError as exc:
+                if is_transient(exc):  # try again with the next commit (later offsets win)
+                    for tp, off in offsets.items():
+                        self._acked[tp] = max(off, self._acked.get(tp, 0))
+                log.warning("%s: offset commit failed (%s: %s)%s", self.service, type(exc).__name__, exc,
+                            "; retrying" if is_transient(exc) else "; the partitions moved, their new owner goes on")
 
     async def _commit_loop(self) -> None:
         while True:

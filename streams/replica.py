@@ -62,7 +62,7 @@ from nexuskv.errors import BrokerError, ContractError
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
-from streams.bus import make_consumer
+from streams.bus import make_consumer, retry_transient
 from streams.index_worker import apply_sliced, load_checkpoints
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
 from streams.telemetry import METRICS
@@ -187,7 +187,8 @@ class IndexReplica:
                     if record.offset < self._next[p]:
                         continue
                     if record.offset > self._next[p]:
-                        first = (await consumer.beginning_offsets([tp]))[tp]
+                        first = (await retry_transient(lambda tp=tp: consumer.beginning_offsets([tp]),
+                                                       what="reading a partition's start"))[tp]
                         if first > self._next[p]:  # the consumer was reset past records that are gone
                             self._cannot_rebuild(p, self._next[p], first, ())
                     self.records += 1

@@ -9,8 +9,8 @@ drop the duplicates. Malformed records go to ``nexuskv.dead-letter`` with the re
 
 DuckDB I/O never runs on the event loop (``stack.md`` §1.8: a blocked loop stalls heartbeats):
 flushes run in a worker thread. Dead letters are sent in batches and acknowledged before the
-offsets past their records are committed. A failure (DuckDB, the broker past the client's
-retries) ends the service with a non-zero exit status; readiness (partitions assigned) and
+offsets past their records are committed. A broker outage is waited out; a failure (DuckDB) ends
+the service with a non-zero exit status; readiness (partitions assigned) and
 liveness are on ``/readyz`` and ``/livez``.
 
 Run: ``python -m streams.sink`` (``NEXUSKV_BROKER``, ``NEXUSKV_DECISION_DB``).
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from analytics.store import DecisionStore
@@ -146,7 +147,11 @@ class DecisionSink:
             self.stats.written[table] += n
         if self._letters is not None:
             await self._letters.flush()
-        await consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in self._offsets.items()})
+        offsets = {tp: OffsetAndMetadata(off, "") for tp, off in self._offsets.items()}
+        try:
+            await consumer.commit(offsets)
+        except KafkaError as exc:  # written but not committed: a restart re-delivers them, the keys drop the repeats
+            log.warning("decision sink: offset commit failed (%s: %s)", type(exc).__name__, exc)
         self._offsets.clear()
         self.stats.flushes += 1
 

@@ -14,8 +14,8 @@ crash re-runs (never drops) a command; re-running one is harmless, as blocks alr
 destination are not copied again. On SIGINT/SIGTERM the executor cancels what is queued or
 running, publishes those ``cancelled`` results, commits, and exits.
 
-Supervised: a command whose result cannot be published (the broker refused it past the client's
-retries) is not marked done, so its offset is never committed; the service then stops and exits
+Supervised: a broker outage is waited out (results are published when it is back); a command
+whose result cannot be published for another reason is not marked done, so its offset is never committed; the service then stops and exits
 non-zero (a restarted executor runs the command again). Readiness — partitions assigned — and
 liveness are on ``/readyz`` and ``/livez``.
 
@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -48,7 +49,7 @@ from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
-from streams.bus import DeadLetterQueue, dead_letter_for, decode_record, make_consumer, make_producer, send
+from streams.bus import DeadLetterQueue, dead_letter_for, decode_record, make_consumer, make_producer, retry_transient, send
 from streams.supervisor import ServiceFailed, Supervisor, run_service
 from streams.telemetry import HEALTH, METRICS, init_service, start_span_from_record
 from streams.topic_keys import route
@@ -175,9 +176,11 @@ class TransferService:
                                  "nexuskv.duration_s": result.duration_s})
             METRICS.transfers.labels(result.status.value,
                                      f"{result.source.tier.value}->{result.destination.tier.value}").inc()
-            await send(producer, *route(result), result)
+            await retry_transient(lambda: send(producer, *route(result), result),
+                                  what=f"publishing transfer result {result.transfer_id}")
             if outcome.observation is not None:
-                await send(producer, *route(outcome.observation), outcome.observation)
+                obs = outcome.observation
+                await retry_transient(lambda: send(producer, *route(obs), obs), what="publishing a transfer timing")
         self.handled += 1
         log.info("transfer %s: %s (%d blocks, %d bytes, %.4fs)%s", result.transfer_id, result.status.value,
                  result.blocks_moved, result.bytes_moved, result.duration_s,
@@ -192,7 +195,11 @@ class TransferService:
     async def _commit(consumer, offsets: _Offsets, committed: dict[TopicPartition, int]) -> None:
         due = {tp: o for tp, o in offsets.committable().items() if committed.get(tp) != o}
         if due:
-            await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in due.items()})
+            try:
+                await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in due.items()})
+            except KafkaError as exc:  # not committed now: the next loop tries again (a rerun is harmless)
+                log.warning("offset commit failed (%s: %s)", type(exc).__name__, exc)
+                return
             committed.update(due)
 
 

@@ -105,12 +105,12 @@ async def test_distinct_block_sizes_cost_nothing_lasting_and_tenants_stay_apart(
             status, mine = await api.post({"scope": scope, "token_ids": tokens, "block_size": 16})
             assert status == 200 and mine["matches"]
             gc.collect()
-            before = sum(isinstance(o, BlockKeyer) for o in gc.get_objects())
+            before = sum(type(o) is BlockKeyer for o in gc.get_objects())
             for size in range(17, 17 + 3000):
                 status, _ = await api.post({"scope": scope, "token_ids": tokens[:size], "block_size": size})
                 assert status == 200
             gc.collect()
-            after = sum(isinstance(o, BlockKeyer) for o in gc.get_objects())
+            after = sum(type(o) is BlockKeyer for o in gc.get_objects())
             # Another tenant's token, with the first tenant's token ids or its very keys: nothing.
             cross = [await api.post({"scope": scope, "token_ids": tokens, "block_size": 16}, TOKEN_B),
                      await api.post({"scope": scope, "keys": keys}, TOKEN_B)]
