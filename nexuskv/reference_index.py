@@ -4,7 +4,8 @@ A dict of sets per (publisher, tier, group) and a dict per publisher from engine
 It is the oracle of the property tests (``tests/nexuskv/test_index_properties.py``) and the
 "plain dict-of-sets index" baseline of the index benchmarks. It follows the rules written in
 :mod:`nexuskv.index` (sequence numbers, incarnations, resyncs, scoped removals and clears, the
-engine-hash map that lives while its publisher holds the block) but shares none of its code
+engine-hash map whose entries live while their publisher holds their block somewhere) but shares
+none of its code
 except the key computation, and has no memory bound. Do not use it in a service: a membership
 costs several hundred bytes here.
 """
@@ -69,8 +70,7 @@ class ReferenceIndex:
                     block = pub.engine.get(h)
                     if block is not None:
                         self.facts.get((name, ev.tier, ev.group), set()).discard(block)
-                        if not self._held(name, block):
-                            del pub.engine[h]
+                        self._drop_unheld(name, pub)
             elif isinstance(ev, AllCleared):
                 self._clear(name, pub, ev.tier)
                 if ev.tier is None:
@@ -121,19 +121,21 @@ class ReferenceIndex:
                         blocks.discard(old)
             pub.engine[h] = (scope, key)
             self.facts.setdefault(where, set()).add((scope, key))
+            self._drop_unheld(name, pub)
 
     def _held(self, name: str, block: Block) -> bool:
         return any(p == name and block in blocks for (p, _t, _g), blocks in self.facts.items())
+
+    def _drop_unheld(self, name: str, pub: _Pub) -> None:
+        """Entries live while the publisher holds their block somewhere."""
+        for h in [h for h, block in pub.engine.items() if not self._held(name, block)]:
+            del pub.engine[h]
 
     def _clear(self, name: str, pub: _Pub, tier: Tier | None) -> None:
         for (p, t, _g), blocks in self.facts.items():
             if p == name and (tier is None or t == tier):
                 blocks.clear()
-        if tier is None:
-            pub.engine.clear()
-        else:
-            for h in [h for h, block in pub.engine.items() if not self._held(name, block)]:
-                del pub.engine[h]
+        self._drop_unheld(name, pub)
 
     def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
         keys = [int(k) for k in keys]
