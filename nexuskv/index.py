@@ -176,6 +176,7 @@ class IndexStats:
     scopes: int = 0  # live identity scopes (each holds at least one block)
     forgotten_scopes: int = 0  # scopes forgotten past max_scopes
     backend: str = "native"
+    core_nbytes: int = 0  # the storage core's share of nbytes (native: exactly its allocated capacity)
 
 
 @dataclass(slots=True)
@@ -534,7 +535,7 @@ class GlobalIndex:
             forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
             publishers=len(self._pubs), uncertain_publishers=sum(not p.certain for p in self._pub_list),
             max_memberships=self.max_memberships, nbytes=self.nbytes, scopes=len(self._scopes),
-            forgotten_scopes=c.forgotten_scopes, backend=self.backend,
+            forgotten_scopes=c.forgotten_scopes, backend=self.backend, core_nbytes=self._core.nbytes,
         )
 
     def facts(self) -> dict[tuple[str, Tier, int], set[tuple[IdentityScope, int]]]:

@@ -3,9 +3,9 @@
 //!
 //! * **Blocks** live in a [`BlockTable`] under their key mixed with their scope's salt (so a key
 //!   presented in a foreign scope probes an unrelated bucket, exactly like a key that exists
-//!   nowhere) and their scope id (checked on a full-key match). A block has a stable id (its
-//!   slot moves when the table is rebuilt) and a generation that changes when the id is freed.
-//!   A block exists while its location set is not empty.
+//!   nowhere) and their scope id (checked on a full-key match). A block is named by its slot
+//!   (every reference is remapped when the table is rebuilt) and the slot's generation, which
+//!   changes when the slot is emptied. A block exists while its location set is not empty.
 //! * **Engine maps**, one per publisher: engine hash -> (block id, generation). An entry is
 //!   *valid* while its block still has that generation and the publisher holds the block in some
 //!   location; an invalid entry is treated as absent and removed when met or when the map is
@@ -15,36 +15,26 @@
 //!   there, compacted when it doubles), so a clear visits what it removes, not the index.
 
 use crate::sets::Sets;
-use crate::tables::{prefetch, BlockTable, EngineMap, NONE};
+use crate::tables::{prefetch, BlockTable, EngineMap, MAX_SCOPES, NONE};
 
 pub const MAX_LOAD: f64 = 0.9;
+const MAX_BLOCKS_PER_CALL: usize = 1 << 16; // past it a store may rebuild mid-call (no slot is held across)
 const PREFETCH_AHEAD: usize = 12;
 
+/// The block table; a block is named by its slot.
 pub struct Blocks {
     pub t: BlockTable,
-    pub slot_of: Vec<u32>,
-    pub gen: Vec<u32>,
-    free: Vec<u32>,
 }
 
 impl Blocks {
-    fn new(s0: u64, s1: u64) -> Self {
-        Blocks { t: BlockTable::new(s0, s1, MAX_LOAD), slot_of: Vec::new(), gen: Vec::new(), free: Vec::new() }
-    }
-
     #[inline(always)]
     pub fn alive(&self, id: u32) -> bool {
-        self.slot_of[id as usize] != NONE
+        (id as usize) < self.t.capacity() && self.t.occupied(id)
     }
 
     #[inline(always)]
     pub fn set(&self, id: u32) -> u32 {
-        self.t.set_of(self.slot_of[id as usize])
-    }
-
-    fn rebuild(&mut self, keys: usize) {
-        let slot_of = &mut self.slot_of;
-        self.t.rebuild(keys, |id, slot| slot_of[id as usize] = slot);
+        self.t.set_of(id)
     }
 }
 
@@ -90,11 +80,7 @@ pub struct Core {
 /// Is the engine entry (id, gen) of publisher `publ` valid?
 #[inline(always)]
 fn valid(blocks: &Blocks, sets: &Sets, loc_pub: &[u32], publ: u32, id: u32, gen: u32) -> bool {
-    let i = id as usize;
-    i < blocks.gen.len()
-        && blocks.gen[i] == gen
-        && blocks.slot_of[i] != NONE
-        && sets.holds_pub(blocks.t.set_of(blocks.slot_of[i]), publ, loc_pub)
+    blocks.alive(id) && blocks.t.gen_of(id) == gen && sets.holds_pub(blocks.t.set_of(id), publ, loc_pub)
 }
 
 /// Drop the member list entries of `loc` that no longer hold it (and duplicates).
@@ -117,7 +103,7 @@ pub type Run = (u32, u32);
 impl Core {
     pub fn new(seed: [u64; 4]) -> Self {
         Core {
-            blocks: Blocks::new(seed[0], seed[1]),
+            blocks: Blocks { t: BlockTable::new(seed[0], seed[1], MAX_LOAD) },
             sets: Sets::new(),
             loc_pub: Vec::new(),
             members: Vec::new(),
@@ -159,7 +145,11 @@ impl Core {
         loc
     }
 
-    pub fn add_scope(&mut self, salt_hi: u64, salt_lo: u64) -> u32 {
+    /// A new scope; None when `MAX_SCOPES` are live.
+    pub fn add_scope(&mut self, salt_hi: u64, salt_lo: u64) -> Option<u32> {
+        if self.free_scopes.is_empty() && self.scopes.len() >= MAX_SCOPES {
+            return None;
+        }
         let sc = Scope { salt_hi, salt_lo, blocks: 0, live: true };
         let sid = match self.free_scopes.pop() {
             Some(s) => {
@@ -172,7 +162,7 @@ impl Core {
             }
         };
         self.dirty_scopes.push(sid);
-        sid
+        Some(sid)
     }
 
     /// Scopes that have no block now (and were new or lost blocks since the last call).
@@ -202,47 +192,43 @@ impl Core {
 
     // -- block bookkeeping ----------------------------------------------------------------------
 
+    /// Make room for `extra` new blocks now, so no slot moves until they are in.
+    fn reserve(&mut self, extra: usize) {
+        if self.blocks.t.needs_rebuild(extra) {
+            let keys = self.blocks.t.live + extra;
+            self.rebuild_blocks(keys);
+        }
+    }
+
+    /// Rebuild the block table and point every reference (engine entries, member lists) at the
+    /// blocks' new slots.
+    fn rebuild_blocks(&mut self, keys: usize) {
+        let (map, old_gen) = self.blocks.t.rebuild(keys);
+        for p in &mut self.pubs {
+            p.engine.remap(&map, &old_gen);
+            p.stale = 0;
+        }
+        for m in &mut self.members {
+            m.retain_mut(|id| {
+                let new = map[*id as usize];
+                *id = new;
+                new != NONE
+            });
+        }
+    }
+
     fn find_or_insert(&mut self, lo: u64, hi: u64, sid: u32) -> u32 {
-        let b = &mut self.blocks;
-        if let Some(slot) = b.t.find(lo, hi, sid + 1) {
-            return b.t.id_of(slot);
+        if let Some(slot) = self.blocks.t.find(lo, hi, (sid + 1) as u16) {
+            return slot;
         }
-        if b.t.needs_rebuild(1) {
-            let live = b.t.live;
-            b.rebuild(live + 1);
-        }
-        let id = match b.free.pop() {
-            Some(id) => id,
-            None => {
-                if b.slot_of.len() == b.slot_of.capacity() {
-                    let extra = (b.slot_of.len() / 2).max(64);
-                    b.slot_of.reserve_exact(extra);
-                    b.gen.reserve_exact(extra);
-                }
-                b.slot_of.push(NONE);
-                b.gen.push(0);
-                (b.slot_of.len() - 1) as u32
-            }
-        };
-        let slot = b.t.insert(lo, hi, sid + 1, 0, id);
-        b.slot_of[id as usize] = slot;
+        self.reserve(1);
         self.scopes[sid as usize].blocks += 1;
-        id
+        self.blocks.t.insert(lo, hi, (sid + 1) as u16, 0)
     }
 
     fn free_block(&mut self, id: u32) {
-        let b = &mut self.blocks;
-        let slot = b.slot_of[id as usize];
-        let sid = b.t.scope1_of(slot) - 1;
-        b.t.delete(slot);
-        b.slot_of[id as usize] = NONE;
-        let g = &mut b.gen[id as usize];
-        if *g != u32::MAX - 1 {
-            *g += 1;
-            b.free.push(id);
-        } else {
-            *g = u32::MAX; // retired: no stale entry can ever match it again
-        }
+        let sid = self.blocks.t.scope1_of(id) - 1;
+        self.blocks.t.delete(id);
         let sc = &mut self.scopes[sid as usize];
         sc.blocks -= 1;
         if sc.blocks == 0 {
@@ -252,14 +238,13 @@ impl Core {
 
     /// Point block `id` at set `new`, keeping counts, member lists and the block's life.
     fn set_block(&mut self, id: u32, new: u32) {
-        let slot = self.blocks.slot_of[id as usize];
-        let old = self.blocks.t.set_of(slot);
+        let old = self.blocks.t.set_of(id);
         if old == new {
             return;
         }
         self.sets.retain(new, 1);
         self.sets.retain(old, -1);
-        self.blocks.t.put_set(slot, new); // first: a compaction below must see the new set
+        self.blocks.t.put_set(id, new); // first: a compaction below must see the new set
         {
             let (sets, blocks) = (&self.sets, &self.blocks);
             let (members, loc_count) = (&mut self.members, &mut self.loc_count);
@@ -309,13 +294,17 @@ impl Core {
     }
 
     fn engine_insert(&mut self, publ: u32, h: u64, id: u32) {
-        let gen = self.blocks.gen[id as usize];
+        let gen = self.blocks.t.gen_of(id);
         let (blocks, sets, loc_pub) = (&self.blocks, &self.sets, &self.loc_pub);
         let p = &mut self.pubs[publ as usize];
-        let before = p.engine.capacity();
-        p.engine.insert(h, id, gen, |i, g| valid(blocks, sets, loc_pub, publ, i, g));
-        if p.engine.capacity() != before {
-            p.stale = 0;
+        // Validating every entry costs a block-table read each: only when many may be stale.
+        if p.stale > p.engine.live / 4 {
+            let mut keep = |i: u32, g: u32| valid(blocks, sets, loc_pub, publ, i, g);
+            if p.engine.insert(h, id, gen, Some(&mut keep)) {
+                p.stale = 0;
+            }
+        } else {
+            p.engine.insert(h, id, gen, None);
         }
     }
 
@@ -338,9 +327,9 @@ impl Core {
                 pb.stale = 0;
             }
         }
-        if self.blocks.t.should_shrink() {
+        if self.blocks.t.should_shrink() || self.blocks.t.worn {
             let live = self.blocks.t.live;
-            self.blocks.rebuild(live);
+            self.rebuild_blocks(live);
         }
     }
 
@@ -352,17 +341,23 @@ impl Core {
     pub fn store(&mut self, publ: u32, loc: u32, sid: u32, keys: &[(u64, u64)], hashes: &[u64]) {
         let (shi, slo) = (self.scopes[sid as usize].salt_hi, self.scopes[sid as usize].salt_lo);
         let mut cache = (NONE, NONE);
-        for (&(hi, lo), &h) in keys.iter().zip(hashes) {
+        self.reserve(keys.len().min(MAX_BLOCKS_PER_CALL));
+        for (i, (&(hi, lo), &h)) in keys.iter().zip(hashes).enumerate() {
+            if let (Some(&(phi, plo)), Some(&ph)) = (keys.get(i + PREFETCH_AHEAD), hashes.get(i + PREFETCH_AHEAD)) {
+                let t = &self.blocks.t;
+                t.prefetch_bucket(t.home(plo ^ slo, phi ^ shi));
+                self.pubs[publ as usize].engine.prefetch_home(ph);
+            }
             let id = self.find_or_insert(lo ^ slo, hi ^ shi, sid);
             match self.entry(publ, h) {
                 Entry::Valid(_, old) if old == id => {}
                 Entry::Valid(es, old) => {
                     self.drop_pub(old, publ);
-                    let gen = self.blocks.gen[id as usize];
+                    let gen = self.blocks.t.gen_of(id);
                     self.pubs[publ as usize].engine.put(es, id, gen);
                 }
                 Entry::Stale(es) => {
-                    let gen = self.blocks.gen[id as usize];
+                    let gen = self.blocks.t.gen_of(id);
                     self.pubs[publ as usize].engine.put(es, id, gen);
                 }
                 Entry::Absent => self.engine_insert(publ, h, id),
@@ -478,9 +473,8 @@ impl Core {
     }
 
     fn key_of_id(&self, id: u32) -> (u64, u64) {
-        let slot = self.blocks.slot_of[id as usize];
-        let (lo, hi) = self.blocks.t.key_of(slot);
-        let sc = &self.scopes[(self.blocks.t.scope1_of(slot) - 1) as usize];
+        let (lo, hi) = self.blocks.t.key_of(id);
+        let sc = &self.scopes[(self.blocks.t.scope1_of(id) - 1) as usize];
         (hi ^ sc.salt_hi, lo ^ sc.salt_lo)
     }
 
@@ -506,8 +500,7 @@ impl Core {
         while got.memberships < excess && seen < cap && self.blocks.t.live > 0 {
             let slot = i as u32;
             if self.blocks.t.scope1_of(slot) != 0 {
-                let id = self.blocks.t.id_of(slot);
-                self.drop_block(id, &mut got);
+                self.drop_block(slot, &mut got);
             }
             i = (i + 1) % cap;
             seen += 1;
@@ -531,8 +524,7 @@ impl Core {
         for slot in 0..self.blocks.t.capacity() as u32 {
             let s1 = self.blocks.t.scope1_of(slot);
             if s1 != 0 && mark[s1 as usize] {
-                let id = self.blocks.t.id_of(slot);
-                self.drop_block(id, &mut got);
+                self.drop_block(slot, &mut got);
             }
         }
         for p in 0..self.pubs.len() {
@@ -546,7 +538,7 @@ impl Core {
     /// Per location holding any of `keys` (in scope `sid`): its runs of present blocks.
     pub fn lookup(&mut self, sid: u32, n: usize, key: impl Fn(usize) -> (u64, u64)) -> Vec<(u32, Vec<Run>)> {
         let sc = &self.scopes[sid as usize];
-        let (shi, slo, s1) = (sc.salt_hi, sc.salt_lo, sid + 1);
+        let (shi, slo, s1) = (sc.salt_hi, sc.salt_lo, (sid + 1) as u16);
         let t = &self.blocks.t;
         self.q_lo.clear();
         self.q_hi.clear();
@@ -623,7 +615,7 @@ impl Core {
                 .collect();
             ids.sort_unstable();
             ids.dedup();
-            let scopes = ids.iter().map(|&id| self.blocks.t.scope1_of(self.blocks.slot_of[id as usize]) - 1).collect();
+            let scopes = ids.iter().map(|&id| self.blocks.t.scope1_of(id) - 1).collect();
             let keys = ids.iter().map(|&id| self.key_of_id(id)).collect();
             out.push((loc as u32, scopes, keys));
         }
@@ -643,7 +635,7 @@ impl Core {
             }
             hashes.push(p.engine.hash_at(es));
             keys.push(self.key_of_id(id));
-            scopes.push(self.blocks.t.scope1_of(self.blocks.slot_of[id as usize]) - 1);
+            scopes.push(self.blocks.t.scope1_of(id) - 1);
             sets.push(self.blocks.set(id));
         }
         let held = p
@@ -662,6 +654,7 @@ impl Core {
     /// Load exported rows for `publ` (whose state the caller cleared first).
     pub fn restore(&mut self, publ: u32, hashes: &[u64], keys: &[(u64, u64)], scopes: &[u32], held: &[(u32, Vec<u32>)]) {
         let mut ids = Vec::with_capacity(hashes.len());
+        self.reserve(hashes.len()); // no slot moves while `ids` is being filled
         for ((&h, &(hi, lo)), &sid) in hashes.iter().zip(keys).zip(scopes) {
             let sc = &self.scopes[sid as usize];
             let id = self.find_or_insert(lo ^ sc.salt_lo, hi ^ sc.salt_hi, sid);
@@ -670,17 +663,17 @@ impl Core {
                 Entry::Valid(_, old) if old == id => {}
                 Entry::Valid(es, old) => {
                     self.drop_pub(old, publ);
-                    let gen = self.blocks.gen[id as usize];
+                    let gen = self.blocks.t.gen_of(id);
                     self.pubs[publ as usize].engine.put(es, id, gen);
                 }
                 Entry::Stale(es) => {
-                    let gen = self.blocks.gen[id as usize];
+                    let gen = self.blocks.t.gen_of(id);
                     self.pubs[publ as usize].engine.put(es, id, gen);
                 }
                 Entry::Absent => {
                     // Not yet valid (no location): insert without letting a rebuild drop it.
-                    let gen = self.blocks.gen[id as usize];
-                    self.pubs[publ as usize].engine.insert(h, id, gen, |_, _| true);
+                    let gen = self.blocks.t.gen_of(id);
+                    self.pubs[publ as usize].engine.insert(h, id, gen, None);
                 }
             }
         }
@@ -704,8 +697,7 @@ impl Core {
     }
 
     pub fn nbytes(&self) -> usize {
-        let b = &self.blocks;
-        let mut n = b.t.nbytes() + (b.slot_of.capacity() + b.gen.capacity() + b.free.capacity()) * 4;
+        let mut n = self.blocks.t.nbytes();
         n += self.sets.nbytes();
         n += self.members.iter().map(|m| m.capacity() * 4 + 24).sum::<usize>();
         n += self.loc_count.capacity() * 8 + self.loc_pub.capacity() * 4;

@@ -184,7 +184,7 @@ impl PyCore {
             return Err(PyValueError::new_err("salt: 16 bytes"));
         }
         let (hi, lo) = be_key(salt);
-        Ok(self.c.add_scope(hi, lo))
+        self.c.add_scope(hi, lo).ok_or_else(|| PyValueError::new_err("65,535 scopes are live: release some first"))
     }
 
     fn take_empty_scopes(&mut self) -> Vec<u32> {
