@@ -27,18 +27,11 @@ it picks a bucket, so a foreign key probes an unrelated bucket; :mod:`nexuskv.in
 publisher's facts (one tier's, when the clear names a tier). Another publisher's or another
 tier's memberships of the same block are left alone (the property tests check it).
 
-**Sequence and incarnation.** Per publisher: a batch whose ``seq`` was already applied (same
-incarnation) is a duplicate and ignored, as is a batch of an older incarnation; that makes
-at-least-once redelivery harmless. A gap in ``seq``, a publisher first seen at ``seq > 0``, or a
-new incarnation makes the publisher *uncertain*: its facts are kept, but every match it
-contributes is reported ``certain=False`` (the planner treats it as a miss), until it resyncs:
-an ``AllCleared`` for every tier, or a ``Snapshot`` ``end`` after a ``begin`` with no gap in
-between (``begin`` drops the publisher's facts; the stored events up to ``end`` are its whole
-state). Decision: certainty is per publisher, so facts stored *after* a gap are uncertain too.
-They are probably true, but a batch lost in the gap may have carried removals or a clear of
-anything, and per-fact certainty would cost memory on every membership for a state that the
-bridge repairs (ZMQ replay, snapshot) within seconds. Uncertain means miss: never wrong, at worst
-a recompute.
+**Sequence and incarnation** are :mod:`nexuskv.publishers`' business: a duplicate or stale batch
+is ignored; a gap, a late first sight or a new incarnation makes the publisher *uncertain* (every
+match it contributes is ``certain=False``, a miss for the planner) until it resyncs with a full
+``AllCleared`` or a clean ``Snapshot``. **Checkpoints** (one per stream partition) are in the
+format of :mod:`nexuskv.index_checkpoint`.
 
 **Memory.** The storage is :mod:`nexuskv.index_core`'s (the native core by default: 128-bit
 mixed key, scope, location-set id and block id per table slot, an 8-byte id record per block, a
@@ -69,7 +62,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgpack
 import numpy as np
 
 from nexuskv.contracts.kv_events import (
@@ -85,17 +77,21 @@ from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import IdentityError
 from nexuskv.identity import KEY_BYTES, BlockKeyer, IdentityScope
+from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
+from nexuskv.index_checkpoint import decode as decode_checkpoint
+from nexuskv.index_checkpoint import encode as encode_checkpoint
 from nexuskv.index_core import make_core
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
+from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
 __all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "KeyedBlocks", "FORGET_POLICY",
            "CHECKPOINT_VERSION"]
 
 FORGET_POLICY = "sweep"
-CHECKPOINT_VERSION = 1
 _MATCH_CACHE_MAX = 1 << 16
 _KEYER_CACHE_MAX = 256
 _EVENT_SCOPE_CACHE_MAX = 256
+MAX_SCOPES = 65_535  # the core stores scope ids in 16 bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +138,6 @@ class ApplyOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class PublisherStatus:
-    publisher: str
-    incarnation: int
-    next_seq: int
-    certain: bool
-    reason: str | None  # why it is uncertain (None when certain)
-    in_snapshot: bool
-
-
-@dataclass(frozen=True, slots=True)
 class IndexStats:
     """Counters since the index was built, and its current size."""
 
@@ -184,8 +170,6 @@ class _Counters:
     batches_applied: int = 0
     duplicate_batches: int = 0
     stale_batches: int = 0
-    gaps: int = 0
-    resyncs: int = 0
     blocks_stored: int = 0
     blocks_removed: int = 0
     unresolved_blocks: int = 0
@@ -193,19 +177,6 @@ class _Counters:
     forgotten_memberships: int = 0
     forgotten_blocks: int = 0
     forgotten_scopes: int = 0
-
-
-@dataclass(slots=True)
-class _Publisher:
-    pid: int
-    name: str
-    incarnation: int
-    next_seq: int
-    certain: bool = True
-    reason: str | None = None
-    in_snapshot: bool = False
-    snapshot_clean: bool = False
-    locs: dict[tuple[Tier, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,11 +207,11 @@ class GlobalIndex:
     """
 
     def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "native",
-                 seed: bytes | None = None, max_scopes: int = 65_536) -> None:
+                 seed: bytes | None = None, max_scopes: int = MAX_SCOPES) -> None:
         if max_memberships < 1:
             raise ValueError("max_memberships must be positive")
-        if max_scopes < 1:
-            raise ValueError("max_scopes must be positive")
+        if not 1 <= max_scopes <= MAX_SCOPES:
+            raise ValueError(f"max_scopes must be in [1, {MAX_SCOPES}]")
         self.max_memberships = max_memberships
         self.max_scopes = max_scopes
         self.backend = backend
@@ -252,9 +223,11 @@ class GlobalIndex:
         self._scope_lru: OrderedDict[int, None] = OrderedDict()
         self._keyers: OrderedDict[tuple[IdentityScope, int], BlockKeyer] = OrderedDict()
         self._event_scopes: dict[tuple[PublisherIdentity, str | None, str | None, str | None], IdentityScope] = {}
-        self._pubs: dict[str, _Publisher] = {}
-        self._pub_list: list[_Publisher] = []
+        self._publishers = Publishers()
+        self._pubs = self._publishers.by_name
+        self._pub_list = self._publishers.by_id
         self._locations: list[_Location] = []
+        self._core_publishers = 0
         self._count = _Counters()
         self._match_cache: dict[tuple[int, int, bool], LocationMatch] = {}
 
@@ -274,23 +247,14 @@ class GlobalIndex:
                 event.check()
             elif not isinstance(event, (BlockStored, BlockRemoved, AllCleared, Snapshot)):
                 raise TypeError(f"not a kv event: {type(event).__name__}")
-        pub = self._pubs.get(publisher)
-        if pub is None:
-            pub = self._add_publisher(publisher, incarnation, seq)
-            if seq != 0:
-                self._uncertain(pub, f"first seen at seq {seq}")
-        elif incarnation < pub.incarnation:
+        pub, admission = self._publishers.admit(publisher, incarnation, seq)
+        self._sync_publishers()
+        if admission == "stale":
             self._count.stale_batches += 1
             return ApplyOutcome("stale", 0, not pub.certain)
-        elif incarnation > pub.incarnation:
-            pub.incarnation = incarnation
-            self._uncertain(pub, f"new incarnation {incarnation}")
-        elif seq < pub.next_seq:
+        if admission == "duplicate":
             self._count.duplicate_batches += 1
             return ApplyOutcome("duplicate", 0, not pub.certain)
-        elif seq > pub.next_seq:
-            self._uncertain(pub, f"sequence gap: expected {pub.next_seq}, got {seq}")
-        pub.next_seq = seq + 1
         ops = 0
         for event in events:
             if isinstance(event, BlockStored):
@@ -302,43 +266,21 @@ class GlobalIndex:
             elif isinstance(event, AllCleared):
                 self._clear(pub, event.tier)
                 if event.tier is None:
-                    self._certain(pub)
+                    self._publishers.certain(pub)
             elif isinstance(event, Snapshot):
-                self._snapshot(pub, event)
+                if self._publishers.snapshot(pub, event.phase):
+                    self._clear(pub, None)
         self._count.batches_applied += 1
         self._bound()
         return ApplyOutcome("applied", ops, not pub.certain)
 
-    def _add_publisher(self, name: str, incarnation: int, next_seq: int) -> _Publisher:
-        pub = _Publisher(pid=self._core.add_publisher(), name=name, incarnation=incarnation, next_seq=next_seq)
-        assert pub.pid == len(self._pub_list)
-        self._pubs[name] = pub
-        self._pub_list.append(pub)
-        return pub
+    def _sync_publishers(self) -> None:
+        """Give the core every publisher :class:`~nexuskv.publishers.Publishers` added (same dense ids)."""
+        while self._core_publishers < len(self._pub_list):
+            assert self._core.add_publisher() == self._pub_list[self._core_publishers].pid
+            self._core_publishers += 1
 
-    def _uncertain(self, pub: _Publisher, reason: str) -> None:
-        self._count.gaps += 1
-        pub.certain = False
-        pub.reason = reason
-        pub.snapshot_clean = False
-
-    def _certain(self, pub: _Publisher) -> None:
-        if not pub.certain:
-            self._count.resyncs += 1
-        pub.certain, pub.reason, pub.in_snapshot = True, None, False
-
-    def _snapshot(self, pub: _Publisher, event: Snapshot) -> None:
-        if event.phase == "begin":
-            self._clear(pub, None)
-            if pub.certain:
-                pub.certain, pub.reason = False, "snapshot in progress"
-            pub.in_snapshot, pub.snapshot_clean = True, True
-        elif pub.in_snapshot and pub.snapshot_clean:
-            self._certain(pub)
-        else:
-            pub.in_snapshot = False  # an end without a clean begin: stays as it is
-
-    def _stored(self, pub: _Publisher, identity: PublisherIdentity, event: BlockStored) -> int:
+    def _stored(self, pub: PublisherState, identity: PublisherIdentity, event: BlockStored) -> int:
         n = len(event.engine_hashes)
         loc = self._location(pub, event.tier, event.group)
         if event.is_tier_event:
@@ -364,14 +306,14 @@ class GlobalIndex:
         self._count.blocks_stored += n
         return n
 
-    def _stored_keys(self, pub: _Publisher, identity: PublisherIdentity, event: KeyedBlocks) -> int:
+    def _stored_keys(self, pub: PublisherState, identity: PublisherIdentity, event: KeyedBlocks) -> int:
         loc = self._location(pub, Tier(event.tier), event.group)
         scope = self._event_scope(identity, event.tenant_namespace, event.lora, event.cache_salt)
         n = self._core.store(pub.pid, loc, self._scope_id(scope, create=True), event.keys, event.engine_hashes)
         self._count.blocks_stored += n
         return n
 
-    def _removed(self, pub: _Publisher, event: BlockRemoved) -> int:
+    def _removed(self, pub: PublisherState, event: BlockRemoved) -> int:
         n = len(event.engine_hashes)
         loc = pub.locs.get((event.tier, event.group))
         known = self._core.remove(pub.pid, loc, event.engine_hashes)
@@ -380,11 +322,11 @@ class GlobalIndex:
             self._count.blocks_removed += known
         return n
 
-    def _clear(self, pub: _Publisher, tier: Tier | None) -> None:
+    def _clear(self, pub: PublisherState, tier: Tier | None) -> None:
         locs = [loc for (t, _g), loc in pub.locs.items() if tier is None or t == tier]
         self._core.clear(pub.pid, locs, tier is None)
 
-    def _location(self, pub: _Publisher, tier: Tier, group: int) -> int:
+    def _location(self, pub: PublisherState, tier: Tier, group: int) -> int:
         loc = pub.locs.get((tier, group))
         if loc is None:
             loc = self._core.add_location(pub.pid)
@@ -396,25 +338,34 @@ class GlobalIndex:
 
     # -- bounds ----------------------------------------------------------------------------------------
 
-    def _bound(self) -> None:
+    def _forget_scopes(self) -> None:
+        """Forget the least recently used 1/16 of the scopes (and their blocks)."""
+        drop = max(1, self.max_scopes // 16) + max(0, len(self._scopes) - self.max_scopes)
+        victims = [sid for sid, _ in zip(self._scope_lru, range(drop))]
+        m, b = self._core.forget_scopes(victims)
+        self._count.forgotten_memberships += m
+        self._count.forgotten_blocks += b
+        self._count.forgotten_scopes += len(victims)
+        self._release_empty_scopes()
+
+    def _release_empty_scopes(self) -> None:
         core = self._core
-        if len(self._scopes) > self.max_scopes:
-            drop = max(1, self.max_scopes // 16) + len(self._scopes) - self.max_scopes
-            victims = [sid for sid, _ in zip(self._scope_lru, range(drop))]
-            m, b = core.forget_scopes(victims)
-            self._count.forgotten_memberships += m
-            self._count.forgotten_blocks += b
-            self._count.forgotten_scopes += len(victims)
-        if core.memberships > self.max_memberships:
-            m, b = core.forget(core.memberships - (self.max_memberships - self.max_memberships // 16))
-            self._count.forgotten_memberships += m
-            self._count.forgotten_blocks += b
         for sid in core.take_empty_scopes():
             if core.release_scope(sid):
                 scope = self._scopes.pop(sid, None)
                 self._scope_lru.pop(sid, None)
                 if scope is not None:
                     del self._scope_ids[scope]
+
+    def _bound(self) -> None:
+        core = self._core
+        if len(self._scopes) > self.max_scopes:
+            self._forget_scopes()
+        if core.memberships > self.max_memberships:
+            m, b = core.forget(core.memberships - (self.max_memberships - self.max_memberships // 16))
+            self._count.forgotten_memberships += m
+            self._count.forgotten_blocks += b
+        self._release_empty_scopes()
 
     # -- scopes ----------------------------------------------------------------------------------------
 
@@ -423,6 +374,10 @@ class GlobalIndex:
         if sid is None:
             if not create:
                 return None
+            if len(self._scopes) >= self.max_scopes:
+                self._release_empty_scopes()
+                if len(self._scopes) >= self.max_scopes:
+                    self._forget_scopes()
             salt = hashlib.blake2b(scope.canonical_bytes(), digest_size=16, key=self._salt_key,
                                    person=b"nexuskv-salt1").digest()
             sid = self._core.add_scope(salt)
@@ -508,9 +463,7 @@ class GlobalIndex:
 
     def publisher_status(self, publisher: str) -> PublisherStatus | None:
         pub = self._pubs.get(publisher)
-        if pub is None:
-            return None
-        return PublisherStatus(pub.name, pub.incarnation, pub.next_seq, pub.certain, pub.reason, pub.in_snapshot)
+        return None if pub is None else pub.status()
 
     def publishers(self) -> tuple[str, ...]:
         return tuple(self._pubs)
@@ -529,7 +482,7 @@ class GlobalIndex:
         c = self._count
         return IndexStats(
             batches_applied=c.batches_applied, duplicate_batches=c.duplicate_batches, stale_batches=c.stale_batches,
-            gaps=c.gaps, resyncs=c.resyncs, blocks_stored=c.blocks_stored, blocks_removed=c.blocks_removed,
+            gaps=self._publishers.gaps, resyncs=self._publishers.resyncs, blocks_stored=c.blocks_stored, blocks_removed=c.blocks_removed,
             unresolved_blocks=c.unresolved_blocks, unknown_removals=c.unknown_removals,
             forgotten_memberships=c.forgotten_memberships, forgotten_blocks=c.forgotten_blocks,
             forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
@@ -556,6 +509,7 @@ class GlobalIndex:
 
         :meth:`restore` of these bytes into any index reproduces exactly these publishers' facts
         and answers; the stream worker writes one per partition (``streams/index_worker.py``).
+        The format is :mod:`nexuskv.index_checkpoint`.
         """
         scopes: dict[int, int] = {}
         out = []
@@ -565,50 +519,38 @@ class GlobalIndex:
                 continue
             hashes, keys, sids, held = self._core.export(pub.pid)
             local = np.array([scopes.setdefault(s, len(scopes)) for s in np.frombuffer(sids, "<u4").tolist()],
-                             "<u4")
-            words = np.frombuffer(keys, ">u8").reshape(-1, 2)
-            held_of = dict(held)
-            out.append({
-                "name": name, "incarnation": pub.incarnation, "next_seq": pub.next_seq, "certain": pub.certain,
-                "reason": pub.reason, "in_snapshot": pub.in_snapshot, "clean": pub.snapshot_clean,
-                "locs": [[t.value, g] for (t, g) in pub.locs], "held": [held_of[loc] for loc in pub.locs.values()],
-                "ehash": hashes,
-                "lo": words[:, 1].astype("<u8").tobytes(),
-                "hi": words[:, 0].astype("<u8").tobytes(),
-                "scope": local.tobytes(),
-            })
-        scope_list = [None] * len(scopes)
-        for sid, j in scopes.items():
-            scope_list[j] = self._scopes[sid].model_dump(mode="json")
-        return msgpack.packb({"version": CHECKPOINT_VERSION, "scopes": scope_list, "publishers": out},
-                             use_bin_type=True)
+                             np.uint32)
+            words = np.frombuffer(keys, ">u8").reshape(-1, 2).astype(np.uint64)
+            held_of = {loc: np.frombuffer(rows, "<u4").astype(np.uint32) for loc, rows in held}
+            out.append(PublisherCheckpoint(
+                name=name, incarnation=pub.incarnation, next_seq=pub.next_seq, certain=pub.certain,
+                reason=pub.reason, in_snapshot=pub.in_snapshot, snapshot_clean=pub.snapshot_clean,
+                locations=tuple(pub.locs), held=tuple(held_of[loc] for loc in pub.locs.values()),
+                engine_hashes=np.frombuffer(hashes, "<u8").astype(np.uint64),
+                key_lo=words[:, 1].copy(), key_hi=words[:, 0].copy(), scope=local))
+        scope_list = [self._scopes[sid] for sid, _ in sorted(scopes.items(), key=lambda kv: kv[1])]
+        return encode_checkpoint(IndexCheckpoint(tuple(scope_list), tuple(out)))
 
     def restore(self, data: bytes) -> tuple[str, ...]:
         """Load a :meth:`checkpoint`, replacing whatever this index held for its publishers."""
-        doc = msgpack.unpackb(data, raw=False)
-        if doc.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"index checkpoint version {doc.get('version')!r} is not {CHECKPOINT_VERSION}")
-        scopes = [IdentityScope.model_validate(s) for s in doc["scopes"]]
+        cp = decode_checkpoint(data)
         names = []
-        for item in doc["publishers"]:
-            name = item["name"]
-            pub = self._pubs.get(name)
+        for item in cp.publishers:
+            pub = self._pubs.get(item.name)
             if pub is None:
-                pub = self._add_publisher(name, 0, 0)
+                pub = self._publishers.add(item.name)
+                self._sync_publishers()
             else:
                 self._clear(pub, None)
-            pub.incarnation, pub.next_seq = item["incarnation"], item["next_seq"]
-            pub.certain, pub.reason = item["certain"], item["reason"]
-            pub.in_snapshot, pub.snapshot_clean = item["in_snapshot"], item["clean"]
-            lo = np.frombuffer(item["lo"], "<u8")
-            hi = np.frombuffer(item["hi"], "<u8")
-            keys = np.stack((hi, lo), axis=1).astype(">u8").tobytes()
-            local = np.frombuffer(item["scope"], "<u4").tolist()
-            sids = np.array([self._scope_id(scopes[j], create=True) for j in local], "<u4").tobytes()
-            held = [(self._location(pub, Tier(tier), int(group)), rows)
-                    for (tier, group), rows in zip(item["locs"], item["held"])]
-            self._core.restore(pub.pid, item["ehash"], keys, sids, held)
-            names.append(name)
+            pub.incarnation, pub.next_seq = item.incarnation, item.next_seq
+            pub.certain, pub.reason = item.certain, item.reason
+            pub.in_snapshot, pub.snapshot_clean = item.in_snapshot, item.snapshot_clean
+            keys = np.stack((item.key_hi, item.key_lo), axis=1).astype(">u8").tobytes()
+            sids = np.array([self._scope_id(cp.scopes[j], create=True) for j in item.scope.tolist()], "<u4").tobytes()
+            held = [(self._location(pub, tier, group), np.asarray(rows, "<u4").tobytes())
+                    for (tier, group), rows in zip(item.locations, item.held)]
+            self._core.restore(pub.pid, np.asarray(item.engine_hashes, "<u8").tobytes(), keys, sids, held)
+            names.append(item.name)
         self._bound()
         return tuple(names)
 
