@@ -45,7 +45,7 @@ import tracemalloc
 import numpy as np
 
 from benchmarks._result import write_result
-from nexuskv.contracts.kv_events import BlockStored, PublisherIdentity
+from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
@@ -64,8 +64,8 @@ SCOPE = IdentityScope(tenant_namespace="bench", model="m", model_revision="r", t
 class Prompt:
     """One resident prompt: its worker, canonical keys, engine hashes and Dynamo's local hashes."""
 
-    def __init__(self, i: int, n: int, rng: np.random.Generator) -> None:
-        self.i, self.n, self.worker = i, n, i % WORKERS
+    def __init__(self, i: int, n: int, rng: np.random.Generator, worker: int | None = None) -> None:
+        self.i, self.n, self.worker = i, n, i % WORKERS if worker is None else worker
         self.keys = rng.bytes(16 * n)
         self.hashes = (np.uint64(i) << np.uint64(20)) | np.arange(n, dtype=np.uint64)
         self.local = rng.integers(0, 2**63, n, dtype=np.uint64)
@@ -220,6 +220,52 @@ def dict_build(prompts: list[Prompt], *, trace: bool = False) -> tuple[DictIndex
     return index, sum(p.n for p in prompts) / elapsed, traced
 
 
+# -- churn: a full index that stores new prompts while evicting old ones --------------------------------
+
+
+CHURN = 240  # prompts of 512 blocks stored, and as many evicted, once the ~1M blocks are resident
+
+
+def churn_plan(prompts: list[Prompt], rng: np.random.Generator) -> list[tuple[Prompt, Prompt]]:
+    """(new prompt, evicted prompt) pairs on the same worker: the evicted one is a resident short
+    prompt, the new one has fresh keys and hashes."""
+    short = [p for p in prompts if p.n == SHORT_BLOCKS][:CHURN]
+    return [(Prompt(100_000 + k, SHORT_BLOCKS, rng, worker=old.worker), old) for k, old in enumerate(short)]
+
+
+def nexuskv_churn(index: GlobalIndex, plan, prompts: list[Prompt]) -> float:
+    seq = {f"worker-{w}": index.publisher_status(f"worker-{w}").next_seq for w in range(WORKERS)}
+    batches = []
+    for new, old in plan:
+        pub = f"worker-{new.worker}"
+        stored = KeyedBlocks(engine_hashes=new.hashes.astype("<u8").tobytes(), keys=new.keys)
+        removed = BlockRemoved(engine_hashes=tuple(old.hashes.tolist()))
+        batches.append((pub, seq[pub], (stored, removed)))
+        seq[pub] += 1
+    gc.collect()
+    t0 = time.perf_counter()
+    for pub, s, events in batches:
+        index.apply_events(pub, 1, s, IDENT, events)
+    return 2 * SHORT_BLOCKS * len(plan) / (time.perf_counter() - t0)
+
+
+def dynamo_churn(tree, plan) -> float:
+    events, event_id = [], 1 << 30
+    for new, old in plan:
+        blocks = [{"block_hash": int(h), "tokens_hash": int(t)} for h, t in zip(new.hashes.tolist(), new.local.tolist())]
+        events.append((new.worker, json.dumps({"event_id": event_id, "data": {"stored": {"parent_hash": None,
+                                                                                          "blocks": blocks}}}).encode()))
+        events.append((old.worker, json.dumps({"event_id": event_id + 1, "data": {"removed": {
+            "block_hashes": [int(h) for h in old.hashes.tolist()]}}}).encode()))
+        event_id += 2
+    gc.collect()
+    t0 = time.perf_counter()
+    for worker, raw in events:
+        tree.apply_event(worker, raw)
+    tree.find_matches([0])
+    return 2 * SHORT_BLOCKS * len(plan) / (time.perf_counter() - t0)
+
+
 # -- lookups -------------------------------------------------------------------------------------------
 
 
@@ -293,6 +339,10 @@ def main() -> None:
             t = timed(fn, qs, count)
             rounds[name].append((float(np.percentile(t, 50)), float(np.percentile(t, 99))))
         print(f"round {r + 1}: " + "; ".join(f"{k} p50 {v[-1][0]:.1f} µs p99 {v[-1][1]:.1f} µs" for k, v in rounds.items()))
+    plan = churn_plan(prompts, rng)
+    churn_ours, churn_dyn = nexuskv_churn(ours, plan, prompts), dynamo_churn(tree, plan)
+    print(f"churn at ~1M resident (store 512-block prompts, evict as many): NexusKV {churn_ours / 1e6:.2f} M block ops/s, "
+          f"Dynamo {churn_dyn / 1e6:.2f} M/s; ratio {churn_ours / churn_dyn:.2f}")
     p50 = {k: statistics.median(x[0] for x in v) for k, v in rounds.items()}
     p99 = {k: statistics.median(x[1] for x in v) for k, v in rounds.items()}
     print(f"lookup 512 keys (median of {args.rounds} rounds): NexusKV p50 {p50['ours']:.1f} p99 {p99['ours']:.1f} µs; "
@@ -314,6 +364,10 @@ def main() -> None:
                  details={**common, "dict_baseline_blocks_per_s": base_rate, "goal_ratio": 1.0,
                           "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
                                   "its JSON parse"})
+    write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
+                 "512-block prompts, each with the eviction of a resident one", "ops/s", churn_ours,
+                 "Dynamo RadixTree.apply_event, JSON stored + removed events", churn_dyn, cmd,
+                 details={**common, "prompts": CHURN, "goal_ratio": 1.0})
     write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks",
                  "bytes", per_member, "dict of key -> location set (traced)", base_traced / members, cmd,
                  details={**common, **mem, "dynamo_rss_growth_per_block": dyn_rss / stored, "goal": 64})

@@ -209,11 +209,18 @@ impl Core {
             p.stale = 0;
         }
         for m in &mut self.members {
-            m.retain_mut(|id| {
-                let new = map[*id as usize];
-                *id = new;
-                new != NONE
-            });
+            let mut w = 0;
+            for r in 0..m.len() {
+                if let Some(&ahead) = m.get(r + 32) {
+                    prefetch(&map[ahead as usize]);
+                }
+                let new = map[m[r] as usize];
+                if new != NONE {
+                    m[w] = new;
+                    w += 1;
+                }
+            }
+            m.truncate(w);
         }
     }
 
@@ -288,6 +295,24 @@ impl Core {
                     Entry::Valid(es, id)
                 } else {
                     Entry::Stale(es)
+                }
+            }
+        }
+    }
+
+    /// Before handling hash `i`: fetch the engine bucket of hash `i + 2d` and, through the entry
+    /// of hash `i + d` (its bucket fetched a round earlier), its block's lines.
+    #[inline(always)]
+    fn prefetch_entries(&self, publ: u32, hashes: &[u64], i: usize) {
+        let map = &self.pubs[publ as usize].engine;
+        if let Some(&h) = hashes.get(i + 2 * PREFETCH_AHEAD) {
+            map.prefetch_home(h);
+        }
+        if let Some(&h) = hashes.get(i + PREFETCH_AHEAD) {
+            if let Some(es) = map.find(h) {
+                let (id, _gen) = map.get(es);
+                if (id as usize) < self.blocks.t.capacity() {
+                    self.blocks.t.prefetch_bucket(id as usize / crate::tables::WAYS);
                 }
             }
         }
@@ -379,7 +404,8 @@ impl Core {
     pub fn store_tier(&mut self, publ: u32, loc: u32, hashes: &[u64]) -> usize {
         let mut known = 0;
         let mut cache = (NONE, NONE);
-        for &h in hashes {
+        for (i, &h) in hashes.iter().enumerate() {
+            self.prefetch_entries(publ, hashes, i);
             match self.entry(publ, h) {
                 Entry::Valid(_, id) => {
                     known += 1;
@@ -406,17 +432,24 @@ impl Core {
     /// the map.
     pub fn remove(&mut self, publ: u32, loc: Option<u32>, hashes: &[u64]) -> usize {
         let mut known = 0;
-        for &h in hashes {
+        let mut cache = (NONE, NONE);
+        for (i, &h) in hashes.iter().enumerate() {
+            self.prefetch_entries(publ, hashes, i);
             match self.entry(publ, h) {
                 Entry::Valid(es, id) => {
                     known += 1;
                     if let Some(l) = loc {
                         let s = self.blocks.set(id);
-                        let t = self.sets.without_loc(s, l);
+                        let t = if s == cache.0 {
+                            cache.1
+                        } else {
+                            let t = self.sets.without_loc(s, l);
+                            cache = (s, t);
+                            t
+                        };
                         self.set_block(id, t);
                         if !self.blocks.alive(id) || !self.sets.holds_pub(self.blocks.set(id), publ, &self.loc_pub) {
-                            self.pubs[publ as usize].engine.delete(es);
-                            self.pubs[publ as usize].stale += 1;
+                            self.pubs[publ as usize].engine.delete(es); // (other hashes of it, if any, are stale now)
                         }
                     }
                 }

@@ -402,6 +402,9 @@ impl BlockTable {
                 carry.push_back(order[k]);
                 k += 1;
             }
+            if let Some(&ahead) = order.get(k + 32) {
+                prefetch(&map[items[ahead as usize].4 as usize]);
+            }
             let mut j = 0;
             while j < WAYS {
                 let Some(i) = carry.pop_front() else { break };
@@ -629,20 +632,36 @@ impl EngineMap {
     /// The block table was rebuilt: point every entry at its block's new slot (generation 0),
     /// dropping entries whose block was gone or whose generation was stale.
     pub fn remap(&mut self, map: &[u32], old_gen: &[u16]) {
-        for ig in self.ig.iter_mut() {
-            for j in 0..WAYS {
-                if ig.id1[j] == 0 {
-                    continue;
+        const AHEAD: usize = 32;
+        let flat: &mut [u32] = {
+            // SAFETY: IdGen is repr(C) of two [u32; WAYS] arrays; viewing the buffer as u32s
+            // reaches every id (and gen) word, in order.
+            unsafe { std::slice::from_raw_parts_mut(self.ig.as_mut_ptr() as *mut u32, self.ig.len() * 2 * WAYS) }
+        };
+        let n = flat.len();
+        let at = |k: usize| (k / WAYS) * 2 * WAYS + k % WAYS; // the k-th id word
+        let slots = n / 2;
+        for k in 0..slots {
+            if k + AHEAD < slots {
+                let id1 = flat[at(k + AHEAD)];
+                if id1 != 0 {
+                    prefetch(&map[(id1 - 1) as usize]);
+                    prefetch(&old_gen[(id1 - 1) as usize]);
                 }
-                let id = ig.id1[j] - 1;
-                let new = map[id as usize];
-                if new == NONE || old_gen[id as usize] as u32 != ig.gen[j] {
-                    ig.id1[j] = 0;
-                    self.live -= 1;
-                } else {
-                    ig.id1[j] = new + 1;
-                    ig.gen[j] = 0;
-                }
+            }
+            let (ia, ga) = (at(k), at(k) + WAYS);
+            let id1 = flat[ia];
+            if id1 == 0 {
+                continue;
+            }
+            let id = (id1 - 1) as usize;
+            let new = map[id];
+            if new == NONE || old_gen[id] as u32 != flat[ga] {
+                flat[ia] = 0;
+                self.live -= 1;
+            } else {
+                flat[ia] = new + 1;
+                flat[ga] = 0;
             }
         }
     }
