@@ -281,18 +281,8 @@ def timed(fn, queries: list, count: int) -> list[float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--lookups", type=int, default=2000)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    cmd = f"python -m benchmarks.bench_index_peers --rounds {args.rounds} --lookups {args.lookups}"
-    try:
-        import dynamo._core  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench_index_peers needs Dynamo's RadixTree: python -m pip install -e '.[bench]'") from None
-
+def run_once(args: argparse.Namespace) -> dict:
+    """One complete measurement: builds, lookups, churn. Returns its figures."""
     rng = np.random.default_rng(7)
     prompts = [Prompt(i, LONG_BLOCKS if i < LONG else SHORT_BLOCKS, rng) for i in range(LONG + SHORT)]
     _, _, python_side = nexuskv_build(prompts, trace=True)  # memory: a traced build, dropped
@@ -302,15 +292,15 @@ def main() -> None:
     tree, dyn_rate, dyn_rss = dynamo_build(prompts)
     base, base_rate, _ = dict_build(prompts)
     stored = sum(p.n for p in prompts)
-    mem = {"core_nbytes": ours.stats().core_nbytes, "python_traced_bytes": python_side}
+    core_nbytes = ours.stats().core_nbytes
     members = ours.memberships
-    per_member = (mem["core_nbytes"] + mem["python_traced_bytes"]) / members
+    per_member = (core_nbytes + python_side) / members
     print(f"resident: {stored:,} blocks stored by {WORKERS} workers; NexusKV {members:,} memberships "
           f"({ours.stats().blocks:,} blocks)")
     print(f"ingest of pre-keyed stored blocks: NexusKV {ours_rate / 1e6:.2f} M/s, Dynamo {dyn_rate / 1e6:.2f} M/s "
           f"(JSON), dict {base_rate / 1e6:.2f} M/s; ratio vs Dynamo {ours_rate / dyn_rate:.2f}")
-    print(f"bytes per membership: NexusKV {per_member:.1f} (core {mem['core_nbytes'] / members:.1f} + Python "
-          f"{mem['python_traced_bytes'] / members:.1f}); dict {base_traced / members:.1f}; Dynamo RSS growth "
+    print(f"bytes per membership: NexusKV {per_member:.1f} (core {core_nbytes / members:.1f} + Python "
+          f"{python_side / members:.1f}); dict {base_traced / members:.1f}; Dynamo RSS growth "
           f"{dyn_rss / stored:.1f} per block")
 
     q_ours, q_dyn, q_base = [], [], []
@@ -331,7 +321,7 @@ def main() -> None:
         assert [(loc, prefix) for loc, prefix, _ in base.lookup(q_base[j]) if loc[1] == "gpu"] == \
             [((j % WORKERS, "gpu"), QUERY_HIT)]
 
-    rounds = {"ours": [], "dynamo": [], "dict": []}
+    rounds: dict[str, list[tuple[float, float]]] = {"ours": [], "dynamo": [], "dict": []}
     for r in range(args.rounds):
         for name, fn, qs, count in (("ours", lambda q: ours.lookup(SCOPE, q), q_ours, args.lookups),
                                     ("dynamo", tree.find_matches, q_dyn, args.lookups),
@@ -341,36 +331,76 @@ def main() -> None:
         print(f"round {r + 1}: " + "; ".join(f"{k} p50 {v[-1][0]:.1f} µs p99 {v[-1][1]:.1f} µs" for k, v in rounds.items()))
     plan = churn_plan(prompts, rng)
     churn_ours, churn_dyn = nexuskv_churn(ours, plan, prompts), dynamo_churn(tree, plan)
-    print(f"churn at ~1M resident (store 512-block prompts, evict as many): NexusKV {churn_ours / 1e6:.2f} M block ops/s, "
-          f"Dynamo {churn_dyn / 1e6:.2f} M/s; ratio {churn_ours / churn_dyn:.2f}")
-    p50 = {k: statistics.median(x[0] for x in v) for k, v in rounds.items()}
-    p99 = {k: statistics.median(x[1] for x in v) for k, v in rounds.items()}
-    print(f"lookup 512 keys (median of {args.rounds} rounds): NexusKV p50 {p50['ours']:.1f} p99 {p99['ours']:.1f} µs; "
-          f"Dynamo p50 {p50['dynamo']:.1f} p99 {p99['dynamo']:.1f} µs; dict p50 {p50['dict']:.1f} p99 {p99['dict']:.1f} µs; "
-          f"ratio vs Dynamo p50 {p50['ours'] / p50['dynamo']:.2f} p99 {p99['ours'] / p99['dynamo']:.2f}")
+    print(f"churn at ~1M resident (store 512-block prompts, evict as many): NexusKV {churn_ours / 1e6:.2f} M block "
+          f"ops/s, Dynamo {churn_dyn / 1e6:.2f} M/s; ratio {churn_ours / churn_dyn:.2f}")
+    out = {"stored": stored, "memberships": members, "ingest": (ours_rate, dyn_rate, base_rate),
+           "churn": (churn_ours, churn_dyn), "bytes": (per_member, base_traced / members),
+           "core_nbytes": core_nbytes, "python_traced_bytes": python_side, "dynamo_rss_per_block": dyn_rss / stored}
+    for q, i in (("p50", 0), ("p99", 1)):
+        out[q] = tuple(statistics.median(x[i] for x in rounds[k]) for k in ("ours", "dynamo", "dict"))
+    out["rounds_us"] = rounds
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="complete measurements; figures are their medians")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    cmd = f"python -m benchmarks.bench_index_peers --runs {args.runs} --rounds {args.rounds} --lookups {args.lookups}"
+    try:
+        import dynamo._core  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_index_peers needs Dynamo's RadixTree: python -m pip install -e '.[bench]'") from None
+    runs = []
+    for r in range(args.runs):
+        print(f"-- run {r + 1} of {args.runs}")
+        runs.append(run_once(args))
+        gc.collect()
+
+    def med(key: str, i: int) -> float:
+        return statistics.median(run[key][i] for run in runs)
+
+    def per_run(key: str) -> list:
+        return [list(run[key]) for run in runs]
+
+    print(f"== medians of {args.runs} runs: lookup p50 NexusKV {med('p50', 0):.1f} / Dynamo {med('p50', 1):.1f} µs "
+          f"(ratio {med('p50', 0) / med('p50', 1):.2f}), p99 {med('p99', 0):.1f} / {med('p99', 1):.1f} µs (ratio "
+          f"{med('p99', 0) / med('p99', 1):.2f}); ingest {med('ingest', 0) / 1e6:.2f} / {med('ingest', 1) / 1e6:.2f} "
+          f"M/s (ratio {med('ingest', 0) / med('ingest', 1):.2f}); churn {med('churn', 0) / 1e6:.2f} / "
+          f"{med('churn', 1) / 1e6:.2f} M ops/s (ratio {med('churn', 0) / med('churn', 1):.2f}); bytes per membership "
+          f"{med('bytes', 0):.1f} (dict {med('bytes', 1):.1f})")
     if args.no_write:
         return
-    common = {"resident_blocks": stored, "memberships": members, "workers": WORKERS, "keys_per_lookup": 512,
-              "lookups_per_round": args.lookups, "rounds": args.rounds, "index_backend": ours.backend}
-    for q, vals in (("p50", p50), ("p99", p99)):
+    first = runs[0]
+    common = {"resident_blocks": first["stored"], "memberships": first["memberships"], "workers": WORKERS,
+              "keys_per_lookup": 512, "lookups_per_round": args.lookups, "rounds": args.rounds, "runs": args.runs,
+              "index_backend": "native", "load_average_at_end": os.getloadavg()}
+    for q in ("p50", "p99"):
         write_result(f"index_peers_lookup_8k_{q}",
                      f"lookup latency {q}, 8K-token prompt (512 keys: 384 present, 128 absent), ~1M resident blocks",
-                     "µs", vals["ours"], "Dynamo RadixTree.find_matches (ai-dynamo-runtime)", vals["dynamo"], cmd,
-                     details={**common, "rounds_us": rounds, "dict_baseline_us": vals["dict"], "goal_ratio": 1.0,
+                     "µs", med(q, 0), "Dynamo RadixTree.find_matches (ai-dynamo-runtime 1.6.1)", med(q, 1), cmd,
+                     details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
                               "answer": "NexusKV: per (worker, tier, group) prefix, extents, certainty; "
                                         "Dynamo: per worker prefix length"})
-    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks (events of up to 4,096 blocks)",
-                 "blocks/s", ours_rate, "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime)", dyn_rate, cmd,
-                 details={**common, "dict_baseline_blocks_per_s": base_rate, "goal_ratio": 1.0,
+    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
+                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
+                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "dict_baseline_blocks_per_s":
+                          med("ingest", 2), "goal_ratio": 1.0,
                           "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
                                   "its JSON parse"})
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
-                 "512-block prompts, each with the eviction of a resident one", "ops/s", churn_ours,
-                 "Dynamo RadixTree.apply_event, JSON stored + removed events", churn_dyn, cmd,
-                 details={**common, "prompts": CHURN, "goal_ratio": 1.0})
+                 "512-block prompts, each with the eviction of a resident one", "ops/s", med("churn", 0),
+                 "Dynamo RadixTree.apply_event, JSON stored + removed events", med("churn", 1), cmd,
+                 details={**common, "per_run_ops_per_s": per_run("churn"), "prompts": CHURN, "goal_ratio": 1.0})
     write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks",
-                 "bytes", per_member, "dict of key -> location set (traced)", base_traced / members, cmd,
-                 details={**common, **mem, "dynamo_rss_growth_per_block": dyn_rss / stored, "goal": 64})
+                 "bytes", med("bytes", 0), "dict of key -> location set (traced)", med("bytes", 1), cmd,
+                 details={**common, "core_nbytes": first["core_nbytes"], "python_traced_bytes":
+                          first["python_traced_bytes"], "dynamo_rss_growth_per_block": first["dynamo_rss_per_block"],
+                          "goal": 64})
 
 
 if __name__ == "__main__":

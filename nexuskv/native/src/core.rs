@@ -208,20 +208,22 @@ impl Core {
             p.engine.remap(&map, &old_gen);
             p.stale = 0;
         }
-        for m in &mut self.members {
-            let mut w = 0;
-            for r in 0..m.len() {
-                if let Some(&ahead) = m.get(r + 32) {
-                    prefetch(&map[ahead as usize]);
-                }
-                let new = map[m[r] as usize];
-                if new != NONE {
-                    m[w] = new;
-                    w += 1;
+        // Member lists are rebuilt from the new table in slot order (a sequential pass, and
+        // compacted as a side effect) rather than remapped entry by entry.
+        let mut lists: Vec<Vec<u32>> = self
+            .loc_count
+            .iter()
+            .map(|&c| Vec::with_capacity(c as usize + c as usize / 4 + 16))
+            .collect();
+        let t = &self.blocks.t;
+        for slot in 0..t.capacity() as u32 {
+            if t.occupied(slot) {
+                for &loc in self.sets.get(t.set_of(slot)) {
+                    lists[loc as usize].push(slot);
                 }
             }
-            m.truncate(w);
         }
+        self.members = lists;
     }
 
     fn find_or_insert(&mut self, lo: u64, hi: u64, sid: u32) -> u32 {
