@@ -70,7 +70,8 @@ class ReferenceIndex:
                     block = pub.engine.get(h)
                     if block is not None:
                         self.facts.get((name, ev.tier, ev.group), set()).discard(block)
-                        self._drop_unheld(name, pub)
+                        if not self._held(name, block):
+                            self._drop_unheld(name, pub)
             elif isinstance(ev, AllCleared):
                 self._clear(name, pub, ev.tier)
                 if ev.tier is None:
@@ -115,13 +116,13 @@ class ReferenceIndex:
             return
         for h, key in zip(ev.engine_hashes, keys):
             old = pub.engine.get(h)
+            pub.engine[h] = (scope, key)
+            self.facts.setdefault(where, set()).add((scope, key))
             if old is not None and old != (scope, key):
                 for (p, _t, _g), blocks in self.facts.items():
                     if p == name:
                         blocks.discard(old)
-            pub.engine[h] = (scope, key)
-            self.facts.setdefault(where, set()).add((scope, key))
-            self._drop_unheld(name, pub)
+                self._drop_unheld(name, pub)
 
     def _held(self, name: str, block: Block) -> bool:
         return any(p == name and block in blocks for (p, _t, _g), blocks in self.facts.items())
