@@ -145,6 +145,10 @@ def main() -> None:
                                    "baseline_traced_bytes": base_bytes, "nbytes_estimate": ours_ix.nbytes,
                                    "goal": 64})
     keyer = BlockKeyer(SCOPE, BS, SECRET)
+    # Both indexes' objects are long-lived from here: out of the collector's way, so the
+    # dict-of-sets index's ~500 MB of Python objects do not stretch the other one's GC pauses.
+    gc.collect()
+    gc.freeze()
     for label, tokens in SIZES.items():
         queries, key_us = [], []
         for j, prompt in enumerate(long_prompts):
