@@ -80,7 +80,7 @@ from nexuskv.identity import KEY_BYTES, BlockKeyer, IdentityScope
 from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
 from nexuskv.index_checkpoint import decode as decode_checkpoint
 from nexuskv.index_checkpoint import encode as encode_checkpoint
-from nexuskv.index_core import make_core
+from nexuskv.index_core import make_core, resolve_backend
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
@@ -199,14 +199,15 @@ def _derive(secret: bytes, seed: bytes | None) -> tuple[bytes, bytes]:
 class GlobalIndex:
     """Canonical blocks by location, per identity scope; see the module docstring.
 
-    ``backend``: ``"native"`` (``nexuskv._native``, the default) or ``"python"``
-    (:class:`~nexuskv.index_core.PyCore`); same answers. ``seed``: randomness for the tables'
+    ``backend``: ``"native"`` (``nexuskv._native``), ``"python"``
+    (:class:`~nexuskv.index_core.PyCore`; same answers) or ``"auto"`` (the default: native when
+    built, else python with a warning). ``seed``: randomness for the tables'
     hash functions and the scopes' salts (services pass ``os.urandom(32)``; default: derived
     from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
     are forgotten.
     """
 
-    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "native",
+    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "auto",
                  seed: bytes | None = None, max_scopes: int = MAX_SCOPES) -> None:
         if max_memberships < 1:
             raise ValueError("max_memberships must be positive")
@@ -214,10 +215,10 @@ class GlobalIndex:
             raise ValueError(f"max_scopes must be in [1, {MAX_SCOPES}]")
         self.max_memberships = max_memberships
         self.max_scopes = max_scopes
-        self.backend = backend
+        self.backend = resolve_backend(backend)
         self._secret = secret
         core_seed, self._salt_key = _derive(secret, seed)
-        self._core = make_core(backend, core_seed)
+        self._core = make_core(self.backend, core_seed)
         self._scope_ids: dict[IdentityScope, int] = {}
         self._scopes: dict[int, IdentityScope] = {}
         self._scope_lru: OrderedDict[int, None] = OrderedDict()

@@ -7,9 +7,11 @@ Two backends with one interface and the same semantics (the property tests run b
 * ``native`` — ``nexuskv._native``, Rust (``nexuskv/native/``), built by ``pip install -e .``
   through setuptools-rust. What services run.
 * ``python`` — :class:`PyCore` below: dicts and sets, several hundred bytes a membership and
-  ~10x slower lookups. For a source tree without the built extension, and as the executable
-  statement of what the native core does. It is never chosen silently: pass
-  ``backend="python"``.
+  ~5x slower lookups. For a source tree without the built extension, and as the executable
+  statement of what the native core does.
+* ``auto`` (``GlobalIndex``'s default) — native when ``nexuskv._native`` imports, else python
+  with a :class:`RuntimeWarning` naming the build command; ``IndexStats.backend`` says which
+  one runs. The tests name their backend, so a missing build fails them.
 
 **Semantics the core owns** (the publisher rules above it — sequence, incarnation, certainty —
 are :mod:`nexuskv.index`'s):
@@ -26,12 +28,13 @@ are :mod:`nexuskv.index`'s):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BACKENDS", "NativeUnavailable", "make_core", "native_available", "PyCore"]
+__all__ = ["BACKENDS", "NativeUnavailable", "make_core", "native_available", "resolve_backend", "PyCore"]
 
 BACKENDS = ("native", "python")
 _BUILD_HINT = ("build it with `python -m pip install -e .` (needs cargo and rustc: https://rustup.rs), or in place "
@@ -49,6 +52,17 @@ def native_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"native"`` when built, else ``"python"`` (with a warning)."""
+    if backend != "auto":
+        return backend
+    if native_available():
+        return "native"
+    warnings.warn(f"nexuskv._native is not built; the index runs on the pure-Python core: {_BUILD_HINT}",
+                  RuntimeWarning, stacklevel=3)
+    return "python"
 
 
 def make_core(backend: str, seed: bytes) -> Any:

@@ -686,14 +686,19 @@ impl Core {
         (hashes, keys, scopes, held)
     }
 
-    /// Load exported rows for `publ` (whose state the caller cleared first).
+    /// Load exported rows for `publ` (whose state the caller cleared first). A row no location
+    /// holds is not part of the publisher's state and is skipped. Rows are applied one at a time
+    /// (a block table rebuild may move slots between rows; none is held across).
     pub fn restore(&mut self, publ: u32, hashes: &[u64], keys: &[(u64, u64)], scopes: &[u32], held: &[(u32, Vec<u32>)]) {
-        let mut ids = Vec::with_capacity(hashes.len());
-        self.reserve(hashes.len()); // no slot moves while `ids` is being filled
-        for ((&h, &(hi, lo)), &sid) in hashes.iter().zip(keys).zip(scopes) {
+        let mut pairs: Vec<(u32, u32)> = held.iter().flat_map(|(loc, rows)| rows.iter().map(move |&r| (r, *loc))).collect();
+        pairs.sort_unstable();
+        self.reserve(hashes.len().min(MAX_BLOCKS_PER_CALL));
+        let mut k = 0;
+        while k < pairs.len() {
+            let r = pairs[k].0 as usize;
+            let (h, (hi, lo), sid) = (hashes[r], keys[r], scopes[r]);
             let sc = &self.scopes[sid as usize];
             let id = self.find_or_insert(lo ^ sc.salt_lo, hi ^ sc.salt_hi, sid);
-            ids.push(id);
             match self.entry(publ, h) {
                 Entry::Valid(_, old) if old == id => {}
                 Entry::Valid(es, old) => {
@@ -705,29 +710,15 @@ impl Core {
                     let gen = self.blocks.t.gen_of(id);
                     self.pubs[publ as usize].engine.put(es, id, gen);
                 }
-                Entry::Absent => {
-                    // Not yet valid (no location): insert without letting a rebuild drop it.
-                    let gen = self.blocks.t.gen_of(id);
-                    self.pubs[publ as usize].engine.insert(h, id, gen, None);
-                }
+                Entry::Absent => self.engine_insert(publ, h, id),
+            }
+            while k < pairs.len() && pairs[k].0 as usize == r {
+                let s = self.blocks.set(id);
+                let t = self.sets.with_loc(s, pairs[k].1);
+                self.set_block(id, t);
+                k += 1;
             }
         }
-        for (loc, rows) in held {
-            for &r in rows {
-                let id = ids[r as usize];
-                if self.blocks.alive(id) {
-                    let s = self.blocks.set(id);
-                    let t = self.sets.with_loc(s, *loc);
-                    self.set_block(id, t);
-                }
-            }
-        }
-        for &id in &ids {
-            if self.blocks.alive(id) && self.blocks.set(id) == 0 {
-                self.free_block(id);
-            }
-        }
-        self.pubs[publ as usize].stale += hashes.len();
         self.tidy(Some(publ));
     }
 
