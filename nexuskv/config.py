@@ -187,12 +187,6 @@ class Settings(BaseModel):
         "a full store rejects a save, it never evicts on its own). At least 16 MiB (Mooncake's smallest segment).",
         1 << 30, ge=16 << 20,
     )
-    remote_tier_max_connections: int = _env(
-        "NEXUSKV_REMOTE_TIER_MAX_CONNECTIONS",
-        "Open files (connections included) each process of a remote tier store this process starts may hold; "
-        "connections beyond it are refused while established clients go on.",
-        1024, ge=64, le=1 << 20,
-    )
     transfer_lanes: int = _env(
         "NEXUSKV_TRANSFER_LANES", "Threads that copy the blocks of one transfer concurrently.", 2, ge=1, le=64,
     )

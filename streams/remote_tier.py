@@ -5,9 +5,7 @@ Starts Mooncake's ``mooncake_master`` on ``--listen`` or ``NEXUSKV_REMOTE_TIER``
 ``mooncake_client`` that mounts ``NEXUSKV_REMOTE_TIER_BYTES`` of memory into it
 (:mod:`nexuskv.dataplane.remote_store`), waits until the store answers with that capacity, prints
 one line with the address, and supervises both until SIGINT or SIGTERM: if either exits, the other
-is stopped and this process exits 1, so ``nexuskv up`` and an orchestrator see it. The two store
-processes may hold at most ``NEXUSKV_REMOTE_TIER_MAX_CONNECTIONS`` open files each (connections
-included): a flood of connections is refused at that bound while established clients go on.
+is stopped and this process exits 1, so ``nexuskv up`` and an orchestrator see it.
 ``nexuskv up`` runs it as a service; the test session starts it like the broker.
 """
 
@@ -16,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import resource
 import signal
 import sys
 import threading
@@ -50,10 +47,9 @@ class RemoteTierStore:
     """The two Mooncake processes of one store; :meth:`start` returns once it serves ``capacity_bytes``."""
 
     def __init__(self, address: StoreAddress, capacity_bytes: int, *, log_dir: Path,
-                 advertise_host: str | None = None, max_connections: int = 1024) -> None:
+                 advertise_host: str | None = None) -> None:
         self.address = address
         self.capacity_bytes = capacity_bytes
-        self.max_connections = max_connections
         bind = address.host
         # The segment registers under the name clients connect to: the advertised host when the
         # master binds a wildcard address (a container), else the master's own host.
@@ -68,10 +64,9 @@ class RemoteTierStore:
                                              address.port, address.admin_port), timeout_s=2.0)
 
     def start(self, timeout_s: float = 30.0) -> RemoteTierStore:
-        # Children inherit the limit: it bounds the connections each store process can hold.
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        limit = self.max_connections if hard == resource.RLIM_INFINITY else min(self.max_connections, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        # No open-file limit below the machine's: Mooncake's master holds idle connections without
+        # a timeout (one file each, no thread), and at its file limit it stops serving established
+        # clients too (benchmarks/README.md, "Remote tier attacks").
         try:
             self.master.start()
             self._wait(timeout_s, lambda: self.admin.healthy(), self.master, "the master to answer")
@@ -80,8 +75,6 @@ class RemoteTierStore:
         except BaseException:
             self.stop()
             raise
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         return self
 
     def _mounted(self) -> bool:
@@ -128,8 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("NEXUSKV_REMOTE_TIER", str(exc)) from None
         log_dir = Path(settings.data_dir) / "logs"
         store = RemoteTierStore(address, settings.remote_tier_bytes, log_dir=log_dir,
-                                advertise_host=args.advertise_host,
-                                max_connections=settings.remote_tier_max_connections)
+                                advertise_host=args.advertise_host)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -205,19 +205,26 @@ class RemoteBackend(StagedBackend):
         return header
 
     def keys(self) -> list[PayloadKey]:
+        """Every NexusKV payload the store holds; objects under NexusKV's prefix whose names are not
+        a payload's (another client's, a malformed descriptor id) are left out, with a warning."""
         try:
             names = self._admin.object_names()
         except OSError as exc:
             raise TierUnavailableError(f"remote tier {self.address}: cannot list objects: {exc}") from None
-        keys, foreign = [], 0
+        named: list[tuple[str, PayloadKey]] = []
+        foreign = 0
         for name in names:
             if not name.startswith(KEY_PREFIX):
                 continue
             key = parse_object_name(name)
-            if key is None:
+            if key is None or object_name(key) != name:
                 foreign += 1
             else:
-                keys.append(key)
+                named.append((name, key))
+        # The listing is one name per line: a name with a line break in it could pose as another.
+        held = self._store.batch_is_exist([name for name, _ in named]) if named else []
+        keys = [key for (_, key), there in zip(named, held) if there == 1]
+        foreign += len(named) - len(keys)
         if foreign:
             log.warning("remote tier: %d objects under %s are not named like NexusKV payloads; ignored",
                         foreign, KEY_PREFIX)
@@ -237,6 +244,8 @@ class RemoteBackend(StagedBackend):
                 raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
             if got == _LEASE_EXPIRED:
                 raise IntegrityError(f"{key}: the read outlived its lease; its bytes may be torn")
+            if got != HEADER_BYTES + n and self._store.get_size(object_name(key)) not in (HEADER_BYTES + n, -704):
+                raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
             if got != HEADER_BYTES + n:
                 raise TierUnavailableError(f"remote tier {self.address}: GET {key} failed (Mooncake error {got})")
             header = PayloadHeader.unpack(head.tobytes())
