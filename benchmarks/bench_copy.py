@@ -62,6 +62,7 @@ from streams.remote_tier import local_address
 
 PAIRS = [("disk", "host"), ("host", "disk"), ("host", "device"), ("device", "host"), ("host", "remote"),
          ("remote", "host")]
+DEFAULT_PAIRS = ",".join(f"{s}-{d}" for s, d in PAIRS)
 TIERS = {"device": Tier.GPU, "host": Tier.HOST, "disk": Tier.DISK, "remote": Tier.REMOTE}
 DID = "sd1-" + "b" * 32
 WORKER = "bench"
@@ -217,7 +218,7 @@ def main() -> None:
     ap.add_argument("--headline", type=int, default=2097152, help="the unit whose figure goes in the result file")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lanes", type=int, default=2)
-    ap.add_argument("--pairs", default=",".join(f"{s}-{d}" for s, d in PAIRS))
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     units = [int(u) for u in args.units.split(",")]
@@ -263,7 +264,8 @@ def main() -> None:
             f"copy_{src}_{dst}", f"copy bandwidth {src}->{dst}, {head_unit}-byte payloads, checksum verified",
             "GB/s", head["ours"], baseline, head["plain"],
             f"python -m benchmarks.bench_copy --mib {args.mib} --units {args.units} --headline {args.headline} "
-            f"--repeats {args.repeats} --lanes {args.lanes}",
+            f"--repeats {args.repeats} --lanes {args.lanes}"
+            + (f" --pairs {args.pairs}" if args.pairs != DEFAULT_PAIRS else ""),
             details={"units": {str(u): c for u, c in by_unit.items()}, "lanes": args.lanes, "mib_per_pass": args.mib,
                      "device_tier": device_note, "cuda": cuda_available(),
                      "remote_store": "Mooncake Store (mooncake-transfer-engine-non-cuda), TCP transport, loopback"},
