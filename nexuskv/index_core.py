@@ -167,6 +167,9 @@ class PyCore:
         self._dirty.append(sid)
         return sid
 
+    def presize(self, blocks: int) -> None:
+        """Dicts size themselves; nothing to do."""
+
     def take_empty_scopes(self) -> list[int]:
         out = sorted({s for s in self._dirty if self._scopes[s][1] and self._scopes[s][0] == 0})
         self._dirty.clear()

@@ -252,3 +252,13 @@ def test_checkpoints_of_a_large_state_restore_exactly(backend):
             ix.apply(batch(6, BlockRemoved(engine_hashes=tuple(range(p * 10000, p * 10000 + 5000, 7))),
                            publisher=f"w{p}"))
     assert copy.facts() == index.facts()
+
+
+def test_a_presized_index_answers_the_same(backend):
+    small, big = GlobalIndex(secret=SECRET, backend=backend), GlobalIndex(secret=SECRET, backend=backend,
+                                                                            expected_blocks=100_000)
+    for ix in (small, big):
+        ix.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockRemoved(engine_hashes=(2,))))
+    assert big.facts() == small.facts() and big.lookup(scope(), keys()) == small.lookup(scope(), keys())
+    if backend == "native":  # the Python core's dicts size themselves
+        assert big.stats().core_nbytes > small.stats().core_nbytes

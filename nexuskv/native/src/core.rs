@@ -192,6 +192,13 @@ impl Core {
 
     // -- block bookkeeping ----------------------------------------------------------------------
 
+    /// Size the block table for `blocks` blocks now (it still grows past them).
+    pub fn presize(&mut self, blocks: usize) {
+        if blocks > self.blocks.t.live && self.blocks.t.needs_rebuild(blocks - self.blocks.t.live) {
+            self.rebuild_blocks(blocks);
+        }
+    }
+
     /// Make room for `extra` new blocks now, so no slot moves until they are in.
     fn reserve(&mut self, extra: usize) {
         if self.blocks.t.needs_rebuild(extra) {

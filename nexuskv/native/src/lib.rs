@@ -260,6 +260,11 @@ impl PyCore {
         Ok(out)
     }
 
+    /// Size the block table for `blocks` blocks now, so growing to them rebuilds nothing.
+    fn presize(&mut self, blocks: usize) {
+        self.c.presize(blocks);
+    }
+
     /// Forget whole blocks until `excess` memberships are gone: (memberships, blocks) forgotten.
     fn forget(&mut self, excess: u64) -> (u64, u64) {
         let f = self.c.forget(excess);
