@@ -199,6 +199,15 @@ def _chunk_error(exc: pydantic.ValidationError, offset: int) -> ContractError:
     return err
 
 
+def _validated(chunk: list[Any], offset: int) -> list[Any]:
+    try:
+        return _EVENTS.validate_python(chunk)
+    except pydantic.ValidationError as exc:
+        raise _chunk_error(exc, offset) from None
+    except RecursionError:
+        raise ContractError("payload nested too deeply") from None
+
+
 async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
     """``codec.decode(KV_EVENTS, raw)``, in slices (see the module docstring)."""
     if len(raw) > codec.MAX_PAYLOAD_BYTES:
@@ -209,6 +218,7 @@ async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
     unpacker.feed(raw)
     envelope: dict[str, Any] = {}
     events: Any = ()
+    event_error: ContractError | None = None
     try:
         try:
             fields = unpacker.read_map_header()
@@ -227,10 +237,21 @@ async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
             if count > MAX_EVENTS_PER_BATCH:
                 raise ContractError(f"KvEventBatch.events: Tuple should have at most {MAX_EVENTS_PER_BATCH} items "
                                     f"after validation, not {count}")
+            # Unpacked and validated a chunk at a time: the raw maps of a chunk are freed as soon as
+            # it is validated, so the collector never has a whole batch of them to scan.
+            # The first event error is kept until the envelope is checked: as in codec.decode, the
+            # schema version and the batch's own fields are reported first.
             events = []
-            for _ in range(count):
-                events.append(unpacker.unpack())
-                if len(events) % 64 == 0:
+            chunk: list[Any] = []
+            for i in range(count):
+                chunk.append(unpacker.unpack())
+                if len(chunk) == _CHUNK or i == count - 1:
+                    if event_error is None:
+                        try:
+                            events.extend(_validated(chunk, len(events)))
+                        except ContractError as exc:
+                            event_error = exc
+                    chunk = []
                     await slicer.pause()
         if unpacker.tell() != len(raw):
             raise msgpack.ExtraData(envelope, raw[unpacker.tell():])
@@ -247,13 +268,6 @@ async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
     head = KvEventBatch.model_validate({**envelope, "events": ()})
     if not isinstance(events, list):
         KvEventBatch.model_validate({**envelope, "events": events})  # raises the contract's reason
-    done: list[Any] = []
-    for start in range(0, len(events), _CHUNK):
-        try:
-            done.extend(_EVENTS.validate_python(events[start:start + _CHUNK]))
-        except pydantic.ValidationError as exc:
-            raise _chunk_error(exc, start) from None
-        except RecursionError:
-            raise ContractError("payload nested too deeply") from None
-        await slicer.pause()
-    return head.model_copy(update={"events": tuple(done)})
+    if event_error is not None:
+        raise event_error
+    return head.model_copy(update={"events": tuple(events)})
