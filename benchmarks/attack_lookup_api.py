@@ -170,6 +170,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fuzz", type=int, default=3000)
     ap.add_argument("--block-sizes", type=int, default=20_000)
+    ap.add_argument("--baseline-5xx", type=float, default=0.0,
+                    help="answers >= 500 of the same run on commit 30ffd34, for the result file")
+    ap.add_argument("--baseline-rss-mib", type=float, default=None, help="its RSS growth, kept in the details")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     with attack_broker() as url, tempfile.TemporaryDirectory(prefix="nexuskv-api-") as tmp:
@@ -179,8 +182,10 @@ def main() -> None:
           f"({out['cross_tenant_statuses']}); {out['block_sizes']} block sizes: RSS +{out['rss_growth_mib']} MiB; "
           f"endpoint alive {out['api_alive']}")
     if not args.no_write:
+        if args.baseline_rss_mib is not None:
+            out["baseline_rss_growth_mib"] = args.baseline_rss_mib
         write_result("reliability_lookup_api", "lookup API answers >= 500 to hostile bodies", "answers",
-                     out["answers_5xx"], "commit 30ffd34 (deeply nested JSON: 500)", 0,
+                     out["answers_5xx"], "commit 30ffd34, the same run", args.baseline_5xx,
                      f"python -m benchmarks.attack_lookup_api --fuzz {args.fuzz} --block-sizes {args.block_sizes}",
                      details=out)
 
