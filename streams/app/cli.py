@@ -257,7 +257,7 @@ def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
             print(f"| `{var}` | {default} | {doc} |")
     else:
         shown = settings.model_dump(mode="json")
-        for secret in ("identity_secret", "index_api_tokens"):
+        for secret in ("identity_secret", "index_api_tokens", "bus_secret", "publisher_keys"):
             if shown.get(secret):
                 shown[secret] = "***"
         print(json.dumps(shown, indent=2))

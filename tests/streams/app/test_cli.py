@@ -34,8 +34,10 @@ def test_unreachable_broker_fails_with_one_line():
 
 
 def test_config_table_masks_the_secret():
-    done = _run(["config"], NEXUSKV_IDENTITY_SECRET="hunter2")
+    done = _run(["config"], NEXUSKV_IDENTITY_SECRET="hunter2", NEXUSKV_BUS_SECRET="bus-hunter2-bus-hunter2",
+                NEXUSKV_PUBLISHER_KEYS="p=" + "ab" * 32)
     assert done.returncode == 0 and "hunter2" not in done.stdout and "***" in done.stdout
+    assert "abab" not in done.stdout
     md = _run(["config", "--markdown"])
     assert "| `NEXUSKV_BROKER` |" in md.stdout
 
