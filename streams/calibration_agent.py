@@ -161,6 +161,7 @@ def build_app(url: BrokerUrl, *, base: CostModel, policy: ExecutionPolicy, min_o
 
     @app.timer(interval=publish_s)
     async def publish_tail() -> None:  # a quiet stream's last observations
+        HEALTH.beat()  # this loop answers (a held loop is not alive: /livez)
         for due in worker.due():
             await send(worker.publish(due))
 

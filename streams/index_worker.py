@@ -387,6 +387,7 @@ class IndexWorker:
         await self._supervised(self._maintain())
 
     async def _maintain(self) -> None:
+        HEALTH.beat()  # this loop answers (a held loop is not alive: /livez)
         assigned = self._assigned()
         if not assigned:
             return
