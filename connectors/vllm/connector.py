@@ -27,8 +27,8 @@ block_ids)``, ``update_connector_output(connector_output)``, ``take_events()``, 
 ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
 ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``. vLLM cannot be installed
 where NexusKV is tested, so this shell has not run inside vLLM: its logic lives in
-:mod:`connectors.vllm.connector_core`, which the tests drive with the reference runtime
-(:mod:`connectors.vllm.reference_engine`); this module only translates vLLM's objects.
+:mod:`connectors.vllm.connector_core`, which the tests drive with the reference engine
+(:mod:`connectors.vllm.standin`); this module only translates vLLM's objects.
 
 **Lazy import.** Importing this module does not import vLLM. vLLM's factory takes the attribute
 ``NexusKVConnector`` from the module, and the module's ``__getattr__`` builds the class (a
@@ -288,7 +288,8 @@ def scheduler_side(config: ConnectorConfig, *, settings: Any = None, base_model:
     from nexuskv.config import Settings
     from nexuskv.dataplane.disk import stored_header
     from nexuskv.dataplane.remote import RemoteBackend
-    from nexuskv.policy import ExecutionPolicy, PolicyFile
+    from nexuskv.policy import ExecutionPolicy
+    from streams.policy_file import PolicyFile
 
     settings = settings or Settings.from_env()
     if settings.broker_url is None:

@@ -3,7 +3,7 @@
 vLLM builds one connector per role (``KVConnectorRole.SCHEDULER`` in the engine core, ``WORKER``
 in each model runner); :mod:`connectors.vllm.connector` is the thin ``KVConnectorBase_V1`` shell
 that translates vLLM's objects into the plain values these two classes take, and
-:mod:`connectors.vllm.reference_engine` drives them with NexusKV's reference runtime playing the
+:mod:`connectors.vllm.standin` drives them with NexusKV's reference engine playing the
 engine. The contracts they keep are vLLM's (``../shared/reference/engines.md`` §3).
 
 **Scheduler side** (:class:`SchedulerSide`). ``num_new_matched_tokens`` answers from the planner:

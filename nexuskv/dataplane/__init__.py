@@ -12,7 +12,7 @@
 * :mod:`~nexuskv.dataplane.executor` — transfer commands in, honest results and observations out.
 * :mod:`~nexuskv.dataplane.cuda` — streams, pinned staging and events, used only with CUDA.
 
-Torch is imported here (and in :mod:`nexuskv.runtime`) and nowhere else in the core.
+Torch is imported here (and in :mod:`nexuskv.reference_engine`) and nowhere else in the core.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The vLLM connector's core, driven by the reference runtime playing vLLM's engine.
+"""The vLLM connector's core, driven by the reference engine playing vLLM's engine.
 
 Acceptance: blocks saved through the data plane are loaded into the engine's paged KV on the
 planner's decision, and the prefill with loaded state gives the same logits as recompute (fp32,
@@ -17,23 +17,23 @@ import pytest
 import torch
 
 from connectors.vllm.connector_core import ConnectorMeta, Readable, SchedulerSide, WorkerSide, catalog_probe
-from connectors.vllm.reference_engine import ReferenceEngine
+from connectors.vllm.standin import VllmStandIn
 from nexuskv.dataplane import BackendCatalog, DiskBackend, RemoteBackend
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
 from nexuskv.lookup import LookupResult
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel, engine_hashes
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel, engine_hashes
 from tests.connectors.reference import POLICY, PROFILE, IndexFeed, cost_model, slow_links
 
 TOL = 1e-5
-SPECS = {"gqa": ModelSpec.gqa(), "mla": ModelSpec.mla()}
+SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla()}
 MODELS = {name: TinyModel(spec) for name, spec in SPECS.items()}
 PROMPT = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(5)).tolist()  # 6 full blocks of 4
 
 
 def _reference_logits(name: str, tokens=PROMPT) -> torch.Tensor:
-    return ReferenceRuntime(SPECS[name], model=MODELS[name]).prefill(tokens, reuse=False).logits
+    return ReferenceEngine(SPECS[name], model=MODELS[name]).prefill(tokens, reuse=False).logits
 
 
 class _World:
@@ -45,10 +45,10 @@ class _World:
         self.feed = IndexFeed()
         self.model = model
         self.load_async, self.save_tier, self.clock = load_async, save_tier, clock
-        self.engines: list[ReferenceEngine] = []
+        self.engines: list[VllmStandIn] = []
 
-    def engine(self, worker: str, index=None) -> ReferenceEngine:
-        rt = ReferenceRuntime(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed)
+    def engine(self, worker: str, index=None) -> VllmStandIn:
+        rt = ReferenceEngine(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed)
         backends = [DiskBackend(self.tmp / worker, 1 << 24)]
         shared: frozenset[Tier] = frozenset()
         if self.remote is not None:
@@ -63,7 +63,7 @@ class _World:
                               engine_hashes=lambda toks: engine_hashes(toks, rt.block_size),
                               probe=catalog_probe(catalog), save_tier=self.save_tier, load_async=self.load_async,
                               **kw)
-        engine = ReferenceEngine(rt, sched, WorkerSide(rt.descriptor, catalog))
+        engine = VllmStandIn(rt, sched, WorkerSide(rt.descriptor, catalog))
         self.engines.append(engine)
         return engine
 
@@ -85,7 +85,7 @@ def world(tmp_path):
         w.close()
 
 
-def _saved_then_cleared(world, name: str = "gqa", **kw) -> ReferenceEngine:
+def _saved_then_cleared(world, name: str = "gqa", **kw) -> VllmStandIn:
     """An engine that served PROMPT once (its blocks saved to its disk), then lost its GPU cache."""
     engine = world(name, **kw).engine("w-a")
     engine.serve("r1", PROMPT)
@@ -93,7 +93,7 @@ def _saved_then_cleared(world, name: str = "gqa", **kw) -> ReferenceEngine:
     return engine
 
 
-def _disk_payload(engine: ReferenceEngine, block: int) -> tuple[DiskBackend, PayloadKey]:
+def _disk_payload(engine: VllmStandIn, block: int) -> tuple[DiskBackend, PayloadKey]:
     return engine.worker.catalog.backends[0], PayloadKey(engine.runtime.descriptor.descriptor_id,
                                                          engine.runtime.block_keys(PROMPT)[block])
 
@@ -224,13 +224,13 @@ def test_an_allocation_that_does_not_match_the_decision_fails_its_blocks(world):
 
 
 def test_hybrid_state_is_refused_with_the_reason(tmp_path):
-    rt = ReferenceRuntime(ModelSpec.hybrid())
+    rt = ReferenceEngine(ReferenceModelSpec.hybrid())
     with pytest.raises(ConfigError, match="hybrid models need SupportsHMA"):
         WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]))
 
 
 def test_registered_kv_caches_must_match_the_descriptor(tmp_path):
-    rt = ReferenceRuntime(SPECS["gqa"], model=MODELS["gqa"])
+    rt = ReferenceEngine(SPECS["gqa"], model=MODELS["gqa"])
     worker = WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]))
     caches = rt.kv_caches()
     caches.pop(next(iter(caches)))

@@ -121,23 +121,23 @@ def test_only_blocks_the_tier_holds_are_announced():
 @pytest.mark.broker
 def test_the_shells_wiring_serves_saved_blocks_over_the_bus(kafka_url, tmp_path):
     """The scheduler and worker sides as the shell builds them (background bus, disk tier, file
-    probe), with the reference runtime playing vLLM and publishing to the real Kafka."""
+    probe), with the reference engine playing vLLM and publishing to the real Kafka."""
     import asyncio
 
     import torch
 
     from connectors.vllm.connector import scheduler_side, worker_side
-    from connectors.vllm.reference_engine import ReferenceEngine
+    from connectors.vllm.standin import VllmStandIn
     from nexuskv.config import Settings
     from nexuskv.contracts.kv_events import KvEventBatch
-    from nexuskv.runtime import ModelSpec, ReferenceRuntime, engine_hashes
+    from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, engine_hashes
     from streams.topics import ensure_topics
     from tests.connectors.reference import PROFILE
 
     asyncio.run(ensure_topics(kafka_url, partitions=8))
     tenant = f"vllm-shell-{uuid.uuid4().hex[:8]}"
-    spec = ModelSpec.gqa()
-    probe_rt = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell")
+    spec = ReferenceModelSpec.gqa()
+    probe_rt = ReferenceEngine(spec, tenant_namespace=tenant, worker="w-shell")
     path = tmp_path / "descriptor.json"
     path.write_text(probe_rt.descriptor.model_dump_json())
     cfg = ConnectorConfig.parse({"descriptor": str(path), "tenant": tenant, "worker": probe_rt.publisher_id,
@@ -147,16 +147,16 @@ def test_the_shells_wiring_serves_saved_blocks_over_the_bus(kafka_url, tmp_path)
                                 engine_hashes=lambda toks: engine_hashes(toks, spec.block_size))
     worker = worker_side(cfg, settings=settings)
     try:
-        runtime = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
+        runtime = ReferenceEngine(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
                                    publisher=lambda r: bus.publish(r) if isinstance(r, KvEventBatch) else None)
-        engine = ReferenceEngine(runtime, sched, worker)
+        engine = VllmStandIn(runtime, sched, worker)
         prompt = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(9)).tolist()
         assert engine.serve("r1", prompt).saved_requests == 1
         runtime.reset()
         bus.wait_caught_up()
         served = engine.serve("r2", prompt)
         assert served.matched_tokens == 24 and served.loaded_tokens == 24
-        expected = ReferenceRuntime(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
+        expected = ReferenceEngine(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
         assert (served.result.logits - expected).abs().max().item() <= 1e-5
     finally:
         worker.close()
