@@ -156,7 +156,8 @@ class KvEventSubscriber:
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic_prefix: str = "",
                  bind: bool = False, replay_timeout_s: float = 2.0, reply_idle_s: float = 0.5,
                  repair_deadline_s: float = 60.0, probe_interval_s: float | None = 2.0,
-                 resume: dict[str, int] | None = None, context: zmq.asyncio.Context | None = None) -> None:
+                 resume: dict[str, int] | None = None, context: zmq.asyncio.Context | None = None,
+                 rcvhwm: int = 100_000) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_s = replay_timeout_s  # wait for the first reply of a round
@@ -165,7 +166,7 @@ class KvEventSubscriber:
         self.probe_interval_s = probe_interval_s if replay_endpoint is not None else None
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)  # live messages ZMQ queues before it drops (0: no limit)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic_prefix.encode("utf-8"))
         bind_or_connect(self._sub, endpoint, bind=bind)
         self.tracker = SequenceTracker(resume=dict(resume or {}))

@@ -155,3 +155,131 @@ def test_mla_ranks_read_what_the_writer_rank_stored_on_disk(nexuskv_env):
     finally:
         for controller, _ in ranks:
             engine.stop(controller)
+
+
+def _tiny_descriptor(path, *, page: int, layers: int = 2, heads: int = 2, head_dim: int = 16,
+                     model: str = "test/tiny-sglang"):
+    from nexuskv.descriptor import DType
+    from nexuskv.models import gqa_descriptor
+
+    d = gqa_descriptor(model=model, num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=page,
+                       dtype=DType.BFLOAT16, engine_family="sglang")
+    path.write_text(d.model_dump_json())
+    return str(path)
+
+
+def _extra(**keys):
+    return {"backend_name": "nexuskv", "module_path": "connectors.sglang.hicache",
+            "class_name": "NexusKVHiCacheStorage", "tenant": f"t-{uuid.uuid4().hex[:6]}", **keys}
+
+
+def test_hybrid_model_side_pool_pages_round_trip_through_the_v2_calls(nexuskv_env):
+    """Fix 5: a hybrid (sliding-window) model. SGLang's hybrid controller backs up the KV pages and the
+    SWA pool's trailing window with ``batch_set_v2``, checks both with ``batch_exists_v2`` and reads
+    the window back with ``batch_get_v2``."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    page, n, window = 4, 6, 2
+    pools = engine.mha_pools(layers=2, heads=2, head_dim=16, page=page, tokens=4 * n * page)
+    engine.add_swa_pool(pools, layers=1)
+    extra = _extra(tier="remote", descriptor=_tiny_descriptor(nexuskv_env / "tiny.json", page=page))
+    controller = engine.hybrid_controller(pools, extra)
+    try:
+        backend = controller.storage_backend
+        swa = pools.extra["swa"][0]
+        tokens = _tokens(n * page, seed=21)
+        hashes = engine.page_hashes(tokens, page)
+        kv_indices, kv_pages = engine.fill_host(pools.host, n, seed=5)
+        swa_indices, swa_pages = engine.fill_host(swa, window, seed=6)
+        sidecar = PoolTransfer(name=PoolName.SWA, host_indices=swa_indices, keys=hashes[-window:],
+                               hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert engine.backup(controller, kv_indices, tokens, hashes, extra_pools=[sidecar]).completed_tokens \
+            == n * page
+        pools.host.free(kv_indices)
+        swa.free(swa_indices)
+        backend._bus.wait_caught_up()
+        ask = PoolTransfer(name=PoolName.SWA, keys=hashes[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        op, loaded = engine.prefetch(controller, tokens, rid="swa", pool_transfers=[ask])
+        assert op.storage_hit_count == n * page
+        assert all(torch.equal(engine.host_page(pools.host, loaded, i), kv_pages[i]) for i in range(n))
+        got_swa = [engine.host_page(swa, ask.host_indices, i) for i in range(window)]
+        assert all(torch.equal(a, b) for a, b in zip(got_swa, swa_pages))
+
+        # The window is what makes a prefix restorable: without its pages, SGLang's query finds none.
+        other = _tokens(n * page, seed=22)
+        other_hashes = engine.page_hashes(other, page)
+        kv2, _ = engine.fill_host(pools.host, n, seed=7)
+        assert engine.backup(controller, kv2, other, other_hashes).completed_tokens == n * page  # no SWA pages
+        pools.host.free(kv2)
+        backend._bus.wait_caught_up()
+        ask2 = PoolTransfer(name=PoolName.SWA, keys=other_hashes[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        op2, _ = engine.prefetch(controller, other, rid="swa-missing", pool_transfers=[ask2], load=False)
+        assert op2.storage_hit_count == 0
+    finally:
+        engine.stop(controller)
+
+
+def test_interface_v1_pages_round_trip_through_a_staging_page(nexuskv_env):
+    """Fix 10: ``interface_v1`` on a layer_first host pool, whose pages are not contiguous (one copy
+    through a staging page); the v1 and the generic paths store the same bytes."""
+    page, n = 4, 5
+    pools = engine.mha_pools(layers=2, heads=2, head_dim=16, page=page, tokens=4 * n * page)
+    descriptor = _tiny_descriptor(nexuskv_env / "tiny.json", page=page)
+    tenant = f"v1-{uuid.uuid4().hex[:6]}"
+    v1 = engine.hybrid_controller(pools, _extra(tier="remote", descriptor=descriptor, tenant=tenant,
+                                                interface_v1=1, worker="sglang-v1"))
+    generic_pools = engine.mha_pools(layers=2, heads=2, head_dim=16, page=page, tokens=4 * n * page)
+    generic = engine.hybrid_controller(generic_pools, _extra(tier="remote", descriptor=descriptor, tenant=tenant,
+                                                             worker="sglang-generic"))  # two servers, two names
+    try:
+        assert v1.page_set_func == v1._page_set_zero_copy and generic.page_set_func == generic._generic_page_set
+        tokens = _tokens(n * page, seed=31)
+        written, read, _ = _round_trip(v1, pools, tokens, 8, rid="v1")
+        assert len(read) == n and all(torch.equal(a, b) for a, b in zip(written, read))
+        generic.storage_backend._bus.wait_caught_up()
+        op, loaded = engine.prefetch(generic, tokens, rid="generic-reads-v1")
+        assert op.storage_hit_count == n * page
+        assert all(torch.equal(engine.host_page(generic_pools.host, loaded, i), written[i]) for i in range(n))
+    finally:
+        engine.stop(v1)
+        engine.stop(generic)
+
+
+def test_the_default_disk_tier_is_read_when_sglang_will_load_the_whole_prefetch(nexuskv_env, monkeypatch):
+    """Fix 8: with the shipped H200 profile, 16 pages of Llama-3.1-8B (4 tokens a page) on the default
+    disk tier do not pay priced alone from token 0 — the old gate — but do after the 16 pages SGLang
+    already holds (``prefix_keys``); SGLang's batching controller asks 128 pages at a time, and its
+    full batch is priced as the prefetch it starts, the rest in its context."""
+    monkeypatch.delenv("NEXUSKV_REMOTE_TIER")
+    page, n, ctx = 4, 16, 16
+    pools = engine.mha_pools(layers=32, heads=8, head_dim=128, page=page, tokens=200 * page)
+    extra = engine.readme_extra_config(json.dumps({k: v for k, v in json.loads(README_EXTRA).items() if k != "tier"}
+                                                  | {"tenant": f"gate-{uuid.uuid4().hex[:6]}"}))
+    controller = engine.hybrid_controller(pools, extra, model_name=LLAMA)
+    try:
+        backend = controller.storage_backend
+        assert backend.config.tier.value == "disk"
+        prefix_tokens = _tokens(ctx * page, seed=41)
+        prefix = engine.page_hashes(prefix_tokens, page)
+        tokens = _tokens(n * page, seed=42)
+        written, read, op = _round_trip(controller, pools, tokens, 9, rid="ctx", prefix=prefix, last_hash=prefix[-1])
+        assert op.storage_hit_count == n * page and all(torch.equal(a, b) for a, b in zip(written, read))
+        canonicals, holders, count = backend.core.readable_run(engine.page_hashes(tokens, page, prefix[-1]))
+        assert count == n and backend.core.gate(canonicals, holders) == 0  # the batch alone, from token 0
+        op0, _ = engine.prefetch(controller, tokens, rid="no-context", last_hash=prefix[-1], load=False)
+        assert op0.storage_hit_count == 0  # SGLang passing no prefix keys: priced from token 0
+    finally:
+        engine.stop(controller)
+
+    batching = engine.batching_controller(pools, extra, model_name=LLAMA)
+    try:
+        backend = batching.storage_backend
+        long_prefix = engine.page_hashes(_tokens(128 * page, seed=44), page)  # 128 pages held by SGLang
+        long_tokens = _tokens(192 * page, seed=43)
+        written, read, op = _round_trip(batching, pools, long_tokens, 10, rid="batched", prefix=long_prefix,
+                                        last_hash=long_prefix[-1])
+        assert op.storage_hit_count == 192 * page, backend.core.stats  # a full batch of 128, then 64
+        assert all(torch.equal(a, b) for a, b in zip(written, read))
+        assert backend.core.stats["answered_ahead"] == 1
+    finally:
+        engine.stop(batching)
