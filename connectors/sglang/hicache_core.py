@@ -311,7 +311,7 @@ class HiCacheCore:
         groups = [g.kv_group for g in d.layer_groups]
         matches = [LocationMatch(EntryLocation(worker=where, tier=self.tier, group=g), where, p + loaded)
                    for g in groups]
-        if p:
+        if p and self.tier is not Tier.GPU:
             matches += [LocationMatch(EntryLocation(worker=self.worker, tier=Tier.GPU, group=g), self.worker, p)
                         for g in groups]
         matches.sort(key=lambda m: (m.location.worker, m.location.tier, m.location.group))
@@ -324,6 +324,8 @@ class HiCacheCore:
                       now=now).chosen
         if chosen.action in (Action.TRANSFER, Action.PREFETCH) and chosen.contiguous and chosen.moved:
             return max(0, min(chosen.moved[1] - p, n))
+        if self.tier is Tier.GPU and chosen.action in (Action.FULL_REUSE, Action.PARTIAL_REUSE):
+            return max(0, min(chosen.reused_blocks - p, n))  # a device tier: reused in place
         self.stats["gated_by_planner"] += 1
         return 0
 

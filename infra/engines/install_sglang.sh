@@ -25,8 +25,12 @@
 # $NEXUSKV_SGLANG_PUBLISHERS (default ~/.cache/nexuskv/sglang-publishers/<version>/kv_events.py);
 # the wheels themselves are not kept.
 #
+# SGLang computes its page hashes with a C++ extension it compiles on first use (ninja, a C++
+# compiler and the OpenSSL headers: g++ and libssl-dev on Debian); this script compiles it once
+# (about 25 s, cached under ~/.cache/torch_extensions), so a missing toolchain fails the install.
+#
 # Idempotent: when everything is in place it checks package metadata and files (about a second)
-# and exits. Cold on a machine with NexusKV installed: about a minute, ~600 MB.
+# and exits. Cold on a machine with NexusKV installed: about a minute and a half, ~600 MB.
 # Environment: PYTHON (default: python), NEXUSKV_SGLANG_PUBLISHERS.
 set -euo pipefail
 
@@ -38,7 +42,7 @@ PUBLISHERS=${NEXUSKV_SGLANG_PUBLISHERS:-$HOME/.cache/nexuskv/sglang-publishers}
 REQUIREMENTS=(
   "orjson==3.13.0" "psutil==7.2.2" "pybase64==1.5.1" "starlette==1.10.0" "ipython==9.18.1"
   "transformers==5.19.0" "torchvision" "dill==0.4.1" "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.3"
-  "compressed-tensors==0.20.1" "gguf==0.19.0" "openai==3.57.0" "partial-json-parser==0.2.1.1.post7"
+  "compressed-tensors==0.20.1" "gguf==0.19.0" "openai==3.57.0" "partial-json-parser==0.2.1.1.post7" "ninja"
 )
 
 # Prints the requirements that are not installed (any installed version counts) and the old
@@ -66,6 +70,10 @@ for req in reqs:
 for v in old.split():
     if not (Path(publishers) / v / "kv_events.py").is_file():
         out.append(f"publisher:{v}")
+import os
+ext = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+if not any(ext.glob("*/hicache_hash_cpp/hicache_hash_cpp*.so")):
+    out.append("build:sglang-native-page-hash")
 print("\n".join(out))
 sys.exit(1 if out else 0)
 PY
@@ -84,7 +92,7 @@ echo "$todo" | sed 's/^/  /'
 if echo "$todo" | grep -q '^sglang=='; then
   "$PYTHON" -m pip install --no-deps "sglang==$SGLANG_VERSION"
 fi
-pkgs=$(echo "$todo" | grep -v -e '^sglang==' -e '^publisher:' || true)
+pkgs=$(echo "$todo" | grep -v -e '^sglang==' -e '^publisher:' -e '^build:' || true)
 installed_names=""
 if [[ -n "$pkgs" ]]; then
   constraints=$(mktemp)
@@ -133,7 +141,9 @@ from sglang.srt.managers import cache_controller  # noqa: F401
 from sglang.srt.mem_cache import hicache_storage, radix_cache, unified_radix_cache  # noqa: F401
 from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller  # noqa: F401
 from sglang.srt.mem_cache.storage import backend_factory  # noqa: F401
+from sglang.srt.mem_cache.utils import get_hash_str
 import torch
-print(f"install_sglang: sglang {sglang.__version__} imports on torch {torch.__version__}")
+assert len(get_hash_str([1, 2, 3, 4], None, page_size=2)) == 2  # builds SGLang's native page hash once
+print(f"install_sglang: sglang {sglang.__version__} imports on torch {torch.__version__}; its page hash is built")
 PY
 echo "install_sglang: done in $(( $(date +%s) - start )) s"
