@@ -135,6 +135,22 @@ class Line:
         if self._consumer is not None:
             await self._consumer.stop()
 
+    def bridge_process(self) -> Any:
+        """``python -m connectors.bridge --engine sglang`` for this engine, as a deployment runs it (not started)."""
+        import os
+        import sys
+
+        from streams.process import ManagedProcess
+
+        argv = [sys.executable, "-m", "connectors.bridge", "--engine", "sglang",
+                "--endpoint", f"tcp://127.0.0.1:{self.port}", "--replay-endpoint", f"tcp://127.0.0.1:{self.replay_port}",
+                "--topic", self.topic, "--name", self.pod, "--model", "meta-llama/Llama-3.1-8B",
+                "--tenant", "sglang-test", "--block-size", str(self.page), "--state-file", str(self.state_file)]
+        env = dict(os.environ, NEXUSKV_BROKER=str(self.kafka_url),
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[3]),
+                                               os.environ.get("PYTHONPATH", "")]))
+        return ManagedProcess(argv, name=f"bridge-{self.pod}", log_path=self.tmp / f"bridge-{self.pod}.log", env=env)
+
     async def wait_forwarded(self, count: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while self._handled + self.bridge.stats["forwarded"] + self.bridge.stats["dead_lettered"] < count:
