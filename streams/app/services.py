@@ -36,7 +36,7 @@ SERVICES: tuple[Service, ...] = (
     Service("index-api", "streams.index_api",
             "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
     Service("remote-tier", "streams.remote_tier",
-            "the remote tier: payloads held in its own process, served over TCP at NEXUSKV_REMOTE_TIER"),
+            "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
     Service("transfer-executor", "streams.transfer_executor",
             "moves payloads between this worker's tiers on transfer commands; publishes results and timings"),
     Service("calibration", "streams.calibration_agent",
