@@ -69,6 +69,7 @@ class Line:
     pod: str = field(default_factory=lambda: f"pod-{uuid.uuid4().hex[:8]}")
     probe_interval_s: float | None = 2.0
     rcvhwm: int = 100_000
+    rcvbuf: int | None = None  # the subscriber's kernel receive buffer (a slow consumer's small window)
 
     def __post_init__(self) -> None:
         self.topic = f"kv@{self.pod}@meta-llama/Llama-3.1-8B"
@@ -88,9 +89,22 @@ class Line:
 
     # -- the engine side ---------------------------------------------------------------------------
 
-    def publisher(self, kv_events: Any = None, **options: Any) -> Any:
-        """SGLang's ZmqEventPublisher (of ``kv_events``, 0.5.23's by default) bound on loopback."""
+    def publisher(self, kv_events: Any = None, *, sndbuf: int | None = None, **options: Any) -> Any:
+        """SGLang's ZmqEventPublisher (of ``kv_events``, 0.5.23's by default) bound on loopback.
+
+        ``sndbuf``: the kernel send buffer of its sockets (a congested link), set as the default of
+        the ZMQ context SGLang creates them in, for their creation only.
+        """
         import inspect
+
+        import zmq
+
+        if sndbuf is not None:
+            zmq.Context.instance().setsockopt(zmq.SNDBUF, sndbuf)
+            try:
+                return self.publisher(kv_events, **options)
+            finally:
+                zmq.Context.instance().setsockopt(zmq.SNDBUF, -1)  # the OS default again
 
         if kv_events is None:
             from sglang.srt.disaggregation import kv_events
@@ -110,7 +124,14 @@ class Line:
             self._handled += self.bridge.stats["forwarded"] + self.bridge.stats["dead_lettered"]
         self.bridge = EventBridge(BridgeConfig(engine="sglang", identity=self.identity, name=self.pod,
                                                default_block_size=self.page, state_file=self.state_file))
-        self.subscriber = KvEventSubscriber(f"tcp://127.0.0.1:{self.port}",
+        context = None
+        if self.rcvbuf is not None:
+            import zmq
+            import zmq.asyncio
+
+            context = self._context = zmq.asyncio.Context()
+            context.setsockopt(zmq.RCVBUF, self.rcvbuf)
+        self.subscriber = KvEventSubscriber(f"tcp://127.0.0.1:{self.port}", context=context,
                                             replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}",
                                             topic_prefix=self.topic, resume=self.bridge.resume_points(),
                                             probe_interval_s=self.probe_interval_s, rcvhwm=self.rcvhwm)

@@ -145,12 +145,12 @@ async def test_every_event_arrives_exactly(kafka_url, tmp_path, kind, eagle):
 
 
 async def test_a_dropped_burst_is_repaired_from_sglangs_replay_buffer(kafka_url, tmp_path):
-    """Fix 6: 1,500 batches published while the bridge is not reading; ZMQ drops most of them (a
-    small receive queue), and SGLang's ROUTER drops replies past its send high-water mark; the
-    bridge asks again until every buffered batch is there."""
-    line = Line(kafka_url, tmp_path, page=PAGE, rcvhwm=50)
+    """Fix 6: 1,500 batches published while the bridge is not reading, over small socket buffers
+    (SGLang's sockets and the bridge's: a congested link); ZMQ drops most of them, and the bridge
+    fetches every one SGLang still buffers through its ROUTER."""
+    line = Line(kafka_url, tmp_path, page=PAGE, rcvhwm=20, rcvbuf=4096)
     engine = Engine("unified", seed=3)
-    publisher = line.publisher(hwm=50)
+    publisher = line.publisher(hwm=20, sndbuf=4096)
     sent = []
     try:
         await line.start_bridge()
@@ -163,7 +163,7 @@ async def test_a_dropped_burst_is_repaired_from_sglangs_replay_buffer(kafka_url,
         await asyncio.wait_for(line._task, 30)
         line._task = None
         while len(sent) < 1500:
-            events = engine.step(requests=24)  # batches of a few KB: more than ZMQ and TCP buffer
+            events = engine.step()
             if events:
                 publish(publisher, events)
                 sent.append(events)
