@@ -114,7 +114,15 @@ class Line:
             options.setdefault("bind", True)
         else:  # older releases bind a wildcard endpoint
             endpoint, replay = f"tcp://*:{self.port}", f"tcp://*:{self.replay_port}"
-        return kv_events.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=self.topic, **options)
+        deadline = time.monotonic() + 10
+        while True:  # a restarted engine binds the ports its predecessor's ZMQ I/O thread is still releasing
+            try:
+                return kv_events.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic=self.topic,
+                                                   **options)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     # -- the NexusKV side --------------------------------------------------------------------------
 
