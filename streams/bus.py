@@ -21,8 +21,7 @@ import asyncio
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer

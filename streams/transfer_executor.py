@@ -49,7 +49,15 @@ from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
-from streams.bus import DeadLetterQueue, dead_letter_for, decode_record, make_consumer, make_producer, retry_transient, send
+from streams.bus import (
+    DeadLetterQueue,
+    dead_letter_for,
+    decode_record,
+    make_consumer,
+    make_producer,
+    retry_transient,
+    send,
+)
 from streams.supervisor import ServiceFailed, Supervisor, run_service
 from streams.telemetry import HEALTH, METRICS, init_service, start_span_from_record
 from streams.topic_keys import route
