@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -133,7 +133,7 @@ class KeyedBlocks:
 class ApplyOutcome:
     """What :meth:`GlobalIndex.apply` did with one batch."""
 
-    status: Literal["applied", "duplicate", "stale"]
+    status: Literal["applied", "duplicate", "stale", "refused"]
     block_ops: int  # blocks stored or removed by the batch (0 unless applied)
     uncertain: bool  # the publisher is uncertain after this batch
 
@@ -145,6 +145,7 @@ class IndexStats:
     batches_applied: int
     duplicate_batches: int
     stale_batches: int
+    refused_batches: int  # beyond the bounded sequence or incarnation jump (nexuskv.publishers)
     gaps: int
     resyncs: int
     blocks_stored: int
@@ -171,6 +172,7 @@ class _Counters:
     batches_applied: int = 0
     duplicate_batches: int = 0
     stale_batches: int = 0
+    refused_batches: int = 0
     blocks_stored: int = 0
     blocks_removed: int = 0
     unresolved_blocks: int = 0
@@ -246,6 +248,25 @@ class GlobalIndex:
                      events: Iterable[Any]) -> ApplyOutcome:
         """As :meth:`apply`, for a batch given by its parts; ``events`` may also hold
         :class:`KeyedBlocks` (checked before anything is applied)."""
+        steps = self.apply_event_steps(publisher, incarnation, seq, identity, events)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def apply_steps(self, batch: KvEventBatch) -> Generator[int, None, ApplyOutcome]:
+        """:meth:`apply`, one event at a time: yields after each event (the block operations so
+        far) and returns the outcome. Between steps the index holds the batch's first events'
+        effect, a state the publisher itself went through, so lookups in between are answered
+        correctly for that moment; a caller (the replicas, the index worker) uses the pauses to let
+        other work run, so that no batch holds its event loop for long. Drive it to the end before
+        applying or checkpointing anything else."""
+        return self.apply_event_steps(batch.publisher, batch.incarnation, batch.seq, batch.identity, batch.events)
+
+    def apply_event_steps(self, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
+                          events: Iterable[Any]) -> Generator[int, None, ApplyOutcome]:
+        """:meth:`apply_events`, one event at a time (as :meth:`apply_steps`)."""
         events = tuple(events)
         for event in events:
             if isinstance(event, KeyedBlocks):
@@ -254,6 +275,9 @@ class GlobalIndex:
                 raise TypeError(f"not a kv event: {type(event).__name__}")
         pub, admission = self._publishers.admit(publisher, incarnation, seq)
         self._sync_publishers()
+        if pub is None or admission == "refused":
+            self._count.refused_batches += 1
+            return ApplyOutcome("refused", 0, pub is None or not pub.certain)
         if admission == "stale":
             self._count.stale_batches += 1
             return ApplyOutcome("stale", 0, not pub.certain)
@@ -275,9 +299,22 @@ class GlobalIndex:
             elif isinstance(event, Snapshot):
                 if self._publishers.snapshot(pub, event.phase):
                     self._clear(pub, None)
+            yield ops
         self._count.batches_applied += 1
         self._bound()
         return ApplyOutcome("applied", ops, not pub.certain)
+
+    def mark_uncertain(self, publishers: Sequence[str], reason: str) -> int:
+        """Make ``publishers`` uncertain (their facts stay, every match is ``certain=False``) until
+        each resyncs; for a caller that knows their record history is incomplete (an event log cut
+        by retention). Returns how many were known."""
+        n = 0
+        for name in publishers:
+            pub = self._pubs.get(name)
+            if pub is not None:
+                self._publishers.uncertain(pub, reason)
+                n += 1
+        return n
 
     def _sync_publishers(self) -> None:
         """Give the core every publisher :class:`~nexuskv.publishers.Publishers` added (same dense ids)."""
@@ -487,7 +524,9 @@ class GlobalIndex:
         c = self._count
         return IndexStats(
             batches_applied=c.batches_applied, duplicate_batches=c.duplicate_batches, stale_batches=c.stale_batches,
-            gaps=self._publishers.gaps, resyncs=self._publishers.resyncs, blocks_stored=c.blocks_stored, blocks_removed=c.blocks_removed,
+            refused_batches=c.refused_batches,
+            gaps=self._publishers.gaps, resyncs=self._publishers.resyncs, blocks_stored=c.blocks_stored,
+            blocks_removed=c.blocks_removed,
             unresolved_blocks=c.unresolved_blocks, unknown_removals=c.unknown_removals,
             forgotten_memberships=c.forgotten_memberships, forgotten_blocks=c.forgotten_blocks,
             forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
@@ -537,7 +576,11 @@ class GlobalIndex:
         return encode_checkpoint(IndexCheckpoint(tuple(scope_list), tuple(out)))
 
     def restore(self, data: bytes) -> tuple[str, ...]:
-        """Load a :meth:`checkpoint`, replacing whatever this index held for its publishers."""
+        """Load a :meth:`checkpoint`: each of its publishers replaces what this index held for it,
+        unless the index already holds that publisher at the same or a later point of its history
+        (incarnation, then next sequence number): then the checkpoint's copy is older and skipped.
+        So the newest state of a publisher wins whatever the order checkpoints are restored in.
+        Returns the publishers restored."""
         cp = decode_checkpoint(data)
         names = []
         for item in cp.publishers:
@@ -545,6 +588,8 @@ class GlobalIndex:
             if pub is None:
                 pub = self._publishers.add(item.name)
                 self._sync_publishers()
+            elif (pub.incarnation, pub.next_seq) >= (item.incarnation, item.next_seq):
+                continue
             else:
                 self._clear(pub, None)
             pub.incarnation, pub.next_seq = item.incarnation, item.next_seq

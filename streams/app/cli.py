@@ -3,7 +3,10 @@
 Commands:
 
 * ``nexuskv up`` — start the bus (``NEXUSKV_BROKER`` or an embedded broker), create the topics,
-  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started.
+  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started. If a
+  service dies, ``up`` says which (with its log tail), stops the rest and exits with status 1.
+* ``nexuskv publisher-key NAME`` — print the signing key of publisher NAME under
+  ``NEXUSKV_BUS_SECRET``, for an engine host's ``NEXUSKV_PUBLISHER_KEYS``.
 * ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
   Kafka) and print its URL until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
@@ -62,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the bus, topics and stream workers; stop on SIGINT/SIGTERM")
     up.add_argument("--no-workers", action="store_true", help="start only the bus and topics")
     up.set_defaults(func=_cmd_up)
+
+    pkey = sub.add_parser("publisher-key", help="print a publisher's kv-events signing key (NEXUSKV_BUS_SECRET)")
+    pkey.add_argument("publisher", help="the publisher name its batches carry (e.g. vllm/10.0.0.5:8000/dp0)")
+    pkey.set_defaults(func=_cmd_publisher_key)
 
     broker = sub.add_parser("broker", help="run an embedded broker and print its URL")
     broker.add_argument("--apache-kafka", action="store_true", help="run Apache Kafka (KRaft) instead of Tansu")
@@ -161,8 +168,23 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         with start_services(url, settings, enabled=not args.no_workers, env={"NEXUSKV_REMOTE_TIER": remote}) as running:
             names = ", ".join(s.name for s in running) or "none"
             print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
-            stop.wait()
+            while not stop.event.wait(0.5):
+                dead = running.dead()
+                if dead:
+                    for d in dead:
+                        print(f"nexuskv: error: {d.describe()}", file=sys.stderr, flush=True)
+                    print("nexuskv: stopping the other services", file=sys.stderr, flush=True)
+                    return 1
             print("nexuskv: stopping", flush=True)
+    return 0
+
+
+def _cmd_publisher_key(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.contracts.kv_signature import publisher_key
+
+    if not settings.bus_secret:
+        raise ConfigError("NEXUSKV_BUS_SECRET", "is empty: set the deployment's bus secret to derive publisher keys")
+    print(f"{args.publisher}={publisher_key(settings.bus_secret_bytes, args.publisher).hex()}")
     return 0
 
 
@@ -235,7 +257,7 @@ def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
             print(f"| `{var}` | {default} | {doc} |")
     else:
         shown = settings.model_dump(mode="json")
-        for secret in ("identity_secret", "index_api_tokens"):
+        for secret in ("identity_secret", "index_api_tokens", "bus_secret", "publisher_keys"):
             if shown.get(secret):
                 shown[secret] = "***"
         print(json.dumps(shown, indent=2))
