@@ -231,7 +231,8 @@ class IndexWorker:
         self.topic = dataclasses.replace(KV_EVENTS, name=topic)
         self.dead_letter: Topic = dataclasses.replace(DEAD_LETTER, name=dead_letter_topic)
         self.intake = KvIntake(self.topic, partitions=partitions, bus_secret=bus_secret)
-        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret)
+        # A seed of its own per process: bucket placement an outsider cannot steer (hash flooding).
+        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32))
         self.checkpoint_dir = Path(data_dir) / "index" / group
         self.parts: dict[int, _Partition] = {}
         self.idle_s = idle_s

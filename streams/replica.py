@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -84,7 +85,8 @@ class IndexReplica:
                  bus_secret: bytes | None = FROM_ENV, slice_s: float = SLICE_S) -> None:
         self.url = url
         self.topic = dataclasses.replace(KV_EVENTS, name=topic)
-        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret)
+        # A seed of its own per process: bucket placement an outsider cannot steer (hash flooding).
+        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32))
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock
         self.client_id = client_id
