@@ -263,6 +263,8 @@ async def _serve(args: argparse.Namespace, url: BrokerUrl) -> None:
     producer = make_producer(url, client_id=f"kv-bridge-{args.name}")
     stop = stop_on_signals()
     await producer.start()
+    log.info("bridge ready: %s events from %s to %s, resuming at %s", args.engine, args.endpoint, url,
+             bridge.resume_points() or "the engine's next batch")
     try:
         await bridge.run(subscriber, producer, stop=stop)
     finally:
