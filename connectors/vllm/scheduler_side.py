@@ -148,8 +148,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._plans: dict[str, Plan] = {}  # decisions whose loads are in flight (for their fallback record)
         self.stats = {"asked": 0, "deferred": 0, "matched_tokens": 0, "source_missing_blocks": 0,
-                      "blocks_to_save": 0, "blocks_already_saved": 0, "loads_finished": 0, "loads_failed": 0,
-                      "decisions": 0}
+                      "blocks_to_save": 0, "loads_finished": 0, "loads_failed": 0, "decisions": 0}
 
     # -- requests --------------------------------------------------------------------------------
 

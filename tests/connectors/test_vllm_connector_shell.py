@@ -113,11 +113,9 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     from connectors.vllm.tier_publisher import tier_publisher_name
     from connectors.vllm.wiring import build_scheduler_side, build_worker_side
     from nexuskv.config import Settings
-    from nexuskv.contracts import codec
     from nexuskv.contracts.kv_events import KvEventBatch
     from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS
     from nexuskv.runtime import ModelSpec, ReferenceRuntime
-    from streams.bus import make_consumer
     from streams.topics import ensure_topics
     from tests.connectors.reference import PROFILE, cost_model
 
@@ -166,25 +164,9 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
         producer.stop()
         bus.stop()
 
-    async def read() -> tuple[list, list]:
-        decisions, observations = [], []
-        for topic, out in ((DECISIONS, decisions), (OBSERVATIONS, observations)):
-            consumer = make_consumer(kafka_url, topic, client_id=f"test-{uuid.uuid4().hex[:6]}")
-            await consumer.start()
-            try:
-                for _ in range(100):
-                    if consumer.assignment():
-                        break
-                    await asyncio.sleep(0.05)
-                await consumer.seek_to_beginning()
-                batches = await consumer.getmany(timeout_ms=3000)
-                for records in batches.values():
-                    out.extend(codec.decode(topic, r.value) for r in records)
-            finally:
-                await consumer.stop()
-        return decisions, observations
+    from tests.engines.vllm.records import read_topic
 
-    decisions, observations = asyncio.run(read())
+    decisions, observations = read_topic(kafka_url, DECISIONS), read_topic(kafka_url, OBSERVATIONS)
     mine = {d.request_id: d for d in decisions if d.tenant_namespace == tenant}
     assert mine["r2"].action.value == "transfer" and mine["r3"].action.value == "transfer"
     loads = [o.observation for o in observations if o.request_id in ("r2", "r3")

@@ -10,6 +10,7 @@ from nexuskv.config import BrokerUrl
 from nexuskv.contract import Contract
 from nexuskv.contracts import codec
 from nexuskv.contracts.topics import Topic
+from nexuskv.errors import ContractError
 
 __all__ = ["read_topic", "wait_for"]
 
@@ -31,13 +32,17 @@ async def _read(url: BrokerUrl, topic: Topic, idle_ms: int) -> list[Contract]:
             if not batches:
                 return out
             for records in batches.values():
-                out.extend(codec.decode(topic, r.value) for r in records)
+                for r in records:
+                    try:
+                        out.append(codec.decode(topic, r.value))
+                    except ContractError:
+                        continue  # other tests put malformed records on the shared topics on purpose
     finally:
         await consumer.stop()
 
 
 def read_topic(url: BrokerUrl, topic: Topic, *, idle_ms: int = 1500) -> list[Contract]:
-    """Every record on ``topic`` from the beginning, decoded (until ``idle_ms`` pass without one)."""
+    """Every record on ``topic`` from the beginning that decodes (until ``idle_ms`` pass without one)."""
     return asyncio.run(_read(url, topic, idle_ms))
 
 

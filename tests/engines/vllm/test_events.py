@@ -6,7 +6,7 @@ descriptor ``nexuskv descriptor`` wrote from the model's ``config.json``) forwar
 an index replica follows the topic. After every step of a series — prompts sharing prefixes,
 prompts that evict older blocks from a small KV cache, ``reset_prefix_cache``, the bridge stopped
 while the engine serves and restarted from its state file (gaps repaired through vLLM's replay
-socket) — the blocks the index places on the engine's GPU are exactly the blocks in vLLM's
+socket), the engine restarted (a new incarnation, certain at once) — the blocks the index places on the engine's GPU are exactly the blocks in vLLM's
 prefix cache, block by block; vLLM's block hashes are the ones NexusKV recomputes
 (``sha256_cbor``); nothing is dead-lettered. The engine also runs the connector: a reset leaves
 the blocks it saved to disk in the index (a clear concerns the GPU cache only), and the bridge's
@@ -181,6 +181,22 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
         engine.generate([P6])
         converged(engine_blocks())
         assert index._replica.index.publisher_status(publisher).certain
+
+        # The engine restarts (same endpoints, its sequence from 0): the bridge starts a new
+        # incarnation with a clear, so the index is certain again at once and holds exactly the new
+        # engine's cache; the blocks saved to disk by the old process are still there.
+        was = index._replica.index.publisher_status(publisher).incarnation
+        engine.close()
+        engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ("NEXUSKV_BROKER",
+                                                                                   "NEXUSKV_DATA_DIR")},
+                                name="events-restarted")
+        time.sleep(1.0)  # the bridge's SUB reconnects to the new PUB socket
+        issued.append(P3)
+        engine.generate([P3])
+        converged(engine_blocks())
+        status = index._replica.index.publisher_status(publisher)
+        assert status.incarnation > was and status.certain
+        assert {(0, i) for i in range(len(P1) // BS)} <= index_blocks(Tier.DISK, on_disk)
     finally:
         bridge.stop()
     letters = [d for d in read_topic(kv_topics, DEAD_LETTER, idle_ms=500) if pod in json.dumps(d.model_dump(mode="json"))]
