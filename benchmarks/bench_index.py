@@ -4,7 +4,7 @@ Each against the plain dict-of-sets index (:class:`nexuskv.reference_index.Refer
 the same run, on the same inputs.
 
 * ``index_ingest_inprocess`` — block operations per second on one core applying the Mooncake
-  conversation replay (``benchmarks/traces.py``; first ``--requests`` requests, 8 workers, 16-token
+  conversation replay (``benchmarks/trace_events.py``; first ``--requests`` requests, 8 workers, 16-token
   blocks, 4,096-block GPU and 8,192-block host LRU caches; stores with key computation from
   tokens, tier moves, removals). Median of ``--repeats`` runs.
 * ``index_lookup_{2k,8k,32k,128k}_p99`` — µs per lookup given the query's keys (an ``(n, 2)``
@@ -29,7 +29,7 @@ import tracemalloc
 import numpy as np
 
 from benchmarks._result import write_result
-from benchmarks.traces import TraceReplay, load_trace
+from benchmarks.trace_events import TraceReplay, load_trace
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array

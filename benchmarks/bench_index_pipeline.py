@@ -1,7 +1,7 @@
 """``index_ingest_pipeline``: block operations per second through Kafka into the index, one worker.
 
 A real Apache Kafka (``streams.broker.ApacheKafkaBroker``) holds the Mooncake replay's batches
-(``benchmarks/traces.py``, first ``--requests`` requests, 16-token blocks, 8 workers) on a
+(``benchmarks/trace_events.py``, first ``--requests`` requests, 16-token blocks, 8 workers) on a
 4-partition topic before either consumer starts. Then, in this process:
 
 * ours: :class:`streams.index_worker.IndexWorker` (Faust agent, msgpack + contract decode, whole
@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks._result import write_result
-from benchmarks.traces import TraceReplay, load_trace
+from benchmarks.trace_events import TraceReplay, load_trace
 from nexuskv.contracts import codec
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS

@@ -9,7 +9,7 @@ in every run so that drift on a shared machine hits all alike:
 * ``decide + records`` — the same plus building its wire records (the pydantic Decision with
   its alternatives, the placement hints and the transfer command) — what the planner service does
   before publishing;
-* baseline ``dynamo`` — :class:`nexuskv.routing.DynamoCost` selecting a worker on the same query
+* baseline ``dynamo`` — :class:`nexuskv.routing_policies.DynamoCost` selecting a worker on the same query
   and lookup (Dynamo's formula alone: no tiers costed, no transfer, no record).
 
 Prints p50 and p99 (medians over runs) and ratios, writes
@@ -24,12 +24,13 @@ import gc
 import statistics
 import time
 
-from benchmarks import _planner_scenario as scenario
-from benchmarks._result import write_result
 from nexuskv.planner import Headroom, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from nexuskv.routing import DynamoCost
+from nexuskv.routing_policies import DynamoCost
+
+from benchmarks import _planner_scenario as scenario
+from benchmarks._result import write_result
 
 
 def _reference_us() -> float:

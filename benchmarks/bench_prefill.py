@@ -32,12 +32,12 @@ import torch
 from benchmarks._result import write_result
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane import DescriptorRegistry, HostMemoryBackend
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
 
 SPECS = {
-    "gqa": ModelSpec.gqa(block_size=16),
-    "mla": ModelSpec.mla(block_size=16),
-    "hybrid": ModelSpec.hybrid(block_size=16, checkpoint_interval=64),
+    "gqa": ReferenceModelSpec.gqa(block_size=16),
+    "mla": ReferenceModelSpec.mla(block_size=16),
+    "hybrid": ReferenceModelSpec.hybrid(block_size=16, checkpoint_interval=64),
 }
 
 
@@ -80,12 +80,12 @@ def main() -> None:
             prompt = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             cached = n * 3 // 4
             host = HostMemoryBackend(1 << 30)
-            writer = ReferenceRuntime(spec, model=model, registry=registry, num_pages=n // spec.block_size + 8)
+            writer = ReferenceEngine(spec, model=model, registry=registry, num_pages=n // spec.block_size + 8)
             writer.prefill(prompt[:cached])
             writer.save(prompt[:cached], host)
-            compute = ReferenceRuntime(spec, model=model, registry=registry, publisher=sink,
+            compute = ReferenceEngine(spec, model=model, registry=registry, publisher=sink,
                                        num_pages=n // spec.block_size + 8)
-            reader = ReferenceRuntime(spec, model=model, registry=registry, publisher=sink,
+            reader = ReferenceEngine(spec, model=model, registry=registry, publisher=sink,
                                       num_pages=n // spec.block_size + 8)
             compute.prefill(prompt, reuse=False)  # warm-up
             rec, total, load_t, pre_t, reused = [], [], [], [], 0
@@ -114,7 +114,7 @@ def main() -> None:
         longest = max(rows)
         path = write_result(
             f"runtime_prefill_{name}",
-            f"reference runtime ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier",
+            f"reference engine ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier",
             "s", rows[longest]["reuse_s"], "full recompute of the same prompt", rows[longest]["recompute_s"],
             f"python -m benchmarks.bench_prefill --lengths {args.lengths} --repeats {args.repeats} --variants {name}",
             details={"lengths": {str(k): v for k, v in rows.items()}, "fit": fit,

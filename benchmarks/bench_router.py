@@ -3,7 +3,7 @@
 Eight simulated workers (``benchmarks/router_sim.py``: the trace replay's LRU GPU and host
 caches, FIFO prefill queues, Llama-3.1-8B on one H200 each) serve the same requests three times,
 routed by NexusKV (the planner's Effective Gain), Dynamo's cost formula and llm-d's longest
-prefix × tier weight scorer (``nexuskv/routing.py``). Each request's predicted TTFT is its wait
+prefix × tier weight scorer (``nexuskv/routing_policies.py``). Each request's predicted TTFT is its wait
 in the routed worker's queue plus the planner's predicted service time there; the hit rate is
 the prompt tokens restored instead of computed (local hit rate: already in the routed worker's
 GPU cache).
@@ -11,9 +11,9 @@ GPU cache).
 The simulation is deterministic, so "several runs" are several *windows* of the trace (each a
 fresh cluster): the figure is the median over windows of each policy's mean predicted TTFT.
 Value = NexusKV; baseline = the better of Dynamo and llm-d. Writes
-``benchmarks/results/router_policies_ttft.json``.
+``benchmarks/results/router_policies_ttft_nexuskv_model.json`` (graded by NexusKV's own cost model).
 Run: ``python -m benchmarks.bench_router [--requests 1000] [--windows 3] [--time-scale 1.0]``
-(``--time-scale 4 --result router_policies_ttft_load4x``: the same trace at four times its rate).
+(``--time-scale 4 --result router_policies_ttft_nexuskv_model_load4x``: the same trace at four times its rate).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import argparse
 import statistics
 import time
 
+from connectors.router import POLICY_NAMES
+
 from benchmarks._result import write_result
 from benchmarks.router_sim import SimConfig, compare, side_by_side
-from benchmarks.traces import CONVERSATION_TRACE, load_trace
-from connectors.router import POLICY_NAMES
+from benchmarks.trace_events import CONVERSATION_TRACE, load_trace
 
 _COLUMNS = ("mean_ttft_s", "p99_ttft_s", "mean_wait_s", "hit_rate", "local_hit_rate")
 
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3, help="disjoint windows of the trace (a fresh cluster each)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this (load)")
-    ap.add_argument("--result", default="router_policies_ttft", help="result file name (benchmarks/results/)")
+    ap.add_argument("--result", default="router_policies_ttft_nexuskv_model", help="result file name (benchmarks/results/)")
     args = ap.parse_args()
 
     trace = load_trace(CONVERSATION_TRACE)
@@ -74,7 +75,7 @@ def main() -> None:
     command = (f"python -m benchmarks.bench_router --requests {args.requests} --windows {args.windows} "
                f"--workers {args.workers} --time-scale {args.time_scale} --result {args.result}")
     write_result(args.result,
-                 f"mean predicted TTFT, Mooncake conversation trace, {args.workers} simulated workers "
+                 f"mean TTFT predicted by NexusKV's own cost model (the model NexusKV's rule optimises), Mooncake conversation trace, {args.workers} simulated workers "
                  f"(median over {len(per_window)} windows of {args.requests} requests)",
                  "s", ours, f"{rival} (the better of dynamo and llm-d)", theirs, command,
                  details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,

@@ -9,7 +9,7 @@ For each policy a fresh simulation replays the trace's requests in arrival order
 3. the route is evaluated by the planner on that worker (:func:`connectors.router.predict`): the
    option it would take there (reuse the GPU prefix, pull from the worker's host tier or from
    another worker, or recompute), with its predicted service time and reused blocks;
-4. the worker serves it (:meth:`benchmarks.traces.TraceReplay.step` on the chosen worker: its
+4. the worker serves it (:meth:`benchmarks.trace_events.TraceReplay.step` on the chosen worker: its
    LRU GPU and host caches change, its events go to the index) and its queue advances.
 
 The figure per request is its **predicted TTFT**: the wait in the chosen worker's FIFO prefill
@@ -31,7 +31,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.traces import BLOCK_TOKENS, TraceReplay, TraceRequest
+from benchmarks.trace_events import BLOCK_TOKENS, TraceReplay, TraceRequest
 from connectors.router import POLICY_NAMES, Router, RoutingOutcome
 from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.plans import WorkerLoad

@@ -12,7 +12,7 @@ offers them thread-safely:
 * :attr:`model` — the latest cost-model snapshot (an immutable value, read without a lock);
 * :meth:`publish` — send a :class:`~nexuskv.contracts.kv_events.KvEventBatch` keyed by its
   publisher, waiting for the acknowledgement (a publisher's batches stay in order);
-* :meth:`send` — any record to its topic and key (:func:`streams.routing.route`, or the topic and
+* :meth:`send` — any record to its topic and key (:func:`streams.topic_keys.route`, or the topic and
   key given), without waiting: observations and decision records, which must never hold up the
   engine's thread; a failed send is logged and counted (``send_failures``), never raised.
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nexuskv.config import BrokerUrl
-from nexuskv.contract import Contract
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.cost import CostModel
@@ -57,7 +57,7 @@ class _Sender:
 
     async def _send(self, record: Contract, topic: Topic | None, key: str | None) -> None:
         from streams.bus import send
-        from streams.routing import route
+        from streams.topic_keys import route
 
         if self._producer is None:
             raise BrokerError(f"{self.client_id}: the bus is not started")

@@ -11,14 +11,14 @@ rule, ``../shared/STYLE.md``). :class:`Router` answers from three inputs it hold
 * the route hints of ``nexuskv.placement`` (:class:`RouteHints`): when the planner service has
   already decided where a request runs, the router follows that decision instead of its own.
 
-The routing rule is one of :data:`POLICY_NAMES`, all from :mod:`nexuskv.routing` (never
+The routing rule is one of :data:`POLICY_NAMES`, all from :mod:`nexuskv.routing_policies` (never
 re-implemented here):
 
 * ``nexuskv`` — the worker of the planner's decision: lowest predicted TTFT among the options
-  whose Effective Gain passes the gate (:class:`~nexuskv.routing.EffectiveGainRouter`);
-* ``dynamo`` — Dynamo's KV-router cost formula (:class:`~nexuskv.routing.DynamoCost`);
+  whose Effective Gain passes the gate (:class:`~nexuskv.routing_policies.EffectiveGainRouter`);
+* ``dynamo`` — Dynamo's KV-router cost formula (:class:`~nexuskv.routing_policies.DynamoCost`);
 * ``llm-d`` — llm-d's longest prefix × tier weight with queue and KV-load scorers
-  (:class:`~nexuskv.routing.LlmdScheduler`).
+  (:class:`~nexuskv.routing_policies.LlmdScheduler`).
 
 Whatever the rule, every route is *evaluated* the same way (:func:`predict`): the planner is asked
 what it would do with the request if that worker were the only candidate — reuse its GPU prefix,
@@ -46,7 +46,7 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LookupResult
 from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
-from nexuskv.routing import DynamoCost, EffectiveGainRouter, LlmdScheduler, Route
+from nexuskv.routing_policies import DynamoCost, EffectiveGainRouter, LlmdScheduler, Route
 
 __all__ = ["POLICY_NAMES", "Prediction", "RoutingOutcome", "RouteHints", "Router", "predict", "local_prefix"]
 

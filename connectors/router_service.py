@@ -51,10 +51,11 @@ from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.contracts.topics import PLACEMENT
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import ConfigError, ContractError, IdentityError, NexusKVError
-from nexuskv.policy import ExecutionPolicy, PolicyFile
+from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import make_consumer, make_producer
 from streams.cost_models import CostModelReplica
+from streams.policy_file import PolicyFile
 from streams.process import stop_on_signals
 from streams.replica import IndexReplica
 from streams.telemetry import init_service

@@ -6,7 +6,7 @@ match what a real engine of that version puts in frame 2 — including msgspec's
 ``array_like`` struct emits every field (``omit_defaults`` does not apply to arrays), and a map
 struct with more than 15 fields gets a map16 header.
 
-Used by the vLLM-compatible publisher (so the reference runtime can stand in for a vLLM or
+Used by the vLLM-compatible publisher (so the reference engine can stand in for a vLLM or
 SGLang engine on a real ZMQ socket) and by the wire-conformance tests.
 """
 

@@ -7,7 +7,7 @@ keeps the last ``buffer_steps`` batches, and a ROUTER socket answers replay requ
 the reply shape of the chosen engine version. Payloads are encoded by
 :mod:`connectors.wire_formats` in that version's exact format.
 
-NexusKV's reference runtime uses it to stand in for a vLLM or SGLang engine on real sockets;
+NexusKV's reference engine uses it to stand in for a vLLM or SGLang engine on real sockets;
 ``skip()`` buffers a batch without sending it, which is how a test makes a deliberate gap.
 """
 

@@ -246,12 +246,8 @@ class CostModel:
     compute: Mapping[ComputeKey, ComputeCost]
     links: Mapping[LinkKey, LinkCost]
     version: str = field(default="")
-    #: Values derived from this snapshot by pure functions (the planner's resolved links per
-    #: profile). Fresh for every snapshot, so a derived value never outlives what it came from.
-    memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memo", {})
         object.__setattr__(self, "hardware", MappingProxyType(dict(self.hardware)))
         object.__setattr__(self, "compute", MappingProxyType(dict(self.compute)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))

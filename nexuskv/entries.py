@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contract import Contract
+from nexuskv.contracts.base import Contract
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKey, IdentityScope
 

@@ -20,18 +20,11 @@ same scope: a caller of one tenant that presents another tenant's keys gets miss
 publisher's facts (one tier's, when the clear names a tier). Another publisher's or another
 tier's memberships of the same block are left alone (the property tests check it).
 
-**Sequence and incarnation.** Per publisher: a batch whose ``seq`` was already applied (same
-incarnation) is a duplicate and ignored, as is a batch of an older incarnation; that makes
-at-least-once redelivery harmless. A gap in ``seq``, a publisher first seen at ``seq > 0``, or a
-new incarnation makes the publisher *uncertain*: its facts are kept, but every match it
-contributes is reported ``certain=False`` (the planner treats it as a miss), until it resyncs:
-an ``AllCleared`` for every tier, or a ``Snapshot`` ``end`` after a ``begin`` with no gap in
-between (``begin`` drops the publisher's facts; the stored events up to ``end`` are its whole
-state). Decision: certainty is per publisher, so facts stored *after* a gap are uncertain too.
-They are probably true, but a batch lost in the gap may have carried removals or a clear of
-anything, and per-fact certainty would cost memory on every membership for a state that the
-bridge repairs (ZMQ replay, snapshot) within seconds. Uncertain means miss: never wrong, at worst
-a recompute.
+**Sequence and incarnation** are :mod:`nexuskv.publishers`' business: a duplicate or stale batch
+is ignored; a gap, a late first sight or a new incarnation makes the publisher *uncertain* (every
+match it contributes is ``certain=False``, a miss for the planner) until it resyncs with a full
+``AllCleared`` or a clean ``Snapshot``. **Checkpoints** (one per stream partition) are in the
+format of :mod:`nexuskv.index_checkpoint`.
 
 **Memory.** Blocks live in a :class:`~nexuskv.keytable.KeyTable` (128-bit key, scope id, an
 interned location-set id and a reference count: 24 bytes a slot) and the engine-hash map in a
@@ -51,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgpack
 import numpy as np
 
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity, Snapshot
@@ -59,9 +51,13 @@ from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import IdentityError
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array, key_array
+from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
+from nexuskv.index_checkpoint import decode as decode_checkpoint
+from nexuskv.index_checkpoint import encode as encode_checkpoint
 from nexuskv.keytable import KeyTable
 from nexuskv.locsets import LocationSets
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
+from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
 __all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "FORGET_POLICY", "CHECKPOINT_VERSION"]
 
@@ -71,7 +67,6 @@ _MIX_MUL = 0xBF58476D1CE4E5B9
 _MIX_INV = pow(_MIX_MUL, -1, 1 << 64)
 _U64 = np.uint64
 _MATCH_CACHE_MAX = 1 << 16
-CHECKPOINT_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +76,6 @@ class ApplyOutcome:
     status: Literal["applied", "duplicate", "stale"]
     block_ops: int  # blocks stored or removed by the batch (0 unless applied)
     uncertain: bool  # the publisher is uncertain after this batch
-
-
-@dataclass(frozen=True, slots=True)
-class PublisherStatus:
-    publisher: str
-    incarnation: int
-    next_seq: int
-    certain: bool
-    reason: str | None  # why it is uncertain (None when certain)
-    in_snapshot: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,32 +107,12 @@ class _Counters:
     batches_applied: int = 0
     duplicate_batches: int = 0
     stale_batches: int = 0
-    gaps: int = 0
-    resyncs: int = 0
     blocks_stored: int = 0
     blocks_removed: int = 0
     unresolved_blocks: int = 0
     unknown_removals: int = 0
     forgotten_memberships: int = 0
     forgotten_blocks: int = 0
-
-
-@dataclass(slots=True)
-class _Publisher:
-    pid: int
-    name: str
-    incarnation: int
-    next_seq: int
-    certain: bool = True
-    reason: str | None = None
-    in_snapshot: bool = False
-    snapshot_clean: bool = False
-    locs: dict[tuple[Tier, int], int] = field(default_factory=dict)
-    mask: int = 0  # bits of every location of this publisher
-
-    @property
-    def tag(self) -> int:
-        return self.pid + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +139,9 @@ class GlobalIndex:
         self._scopes: list[IdentityScope] = []
         self._keyers: dict[tuple[int, int], BlockKeyer] = {}
         self._event_scopes: dict[tuple[PublisherIdentity, str | None, str | None, str | None], int] = {}
-        self._pubs: dict[str, _Publisher] = {}
-        self._pub_list: list[_Publisher] = []
+        self._publishers = Publishers()
+        self._pubs = self._publishers.by_name
+        self._pub_list = self._publishers.by_id
         self._locations: list[_Location] = []
         self._count = _Counters()
         self._match_cache: dict[tuple[int, int, bool], LocationMatch] = {}
@@ -185,26 +151,13 @@ class GlobalIndex:
 
     def apply(self, batch: KvEventBatch) -> ApplyOutcome:
         """Apply one publisher batch (idempotent: a batch already applied is ignored)."""
-        pub = self._pubs.get(batch.publisher)
-        if pub is None:
-            pub = _Publisher(pid=len(self._pub_list), name=batch.publisher, incarnation=batch.incarnation,
-                             next_seq=batch.seq)
-            self._pubs[batch.publisher] = pub
-            self._pub_list.append(pub)
-            if batch.seq != 0:
-                self._uncertain(pub, f"first seen at seq {batch.seq}")
-        elif batch.incarnation < pub.incarnation:
+        pub, admission = self._publishers.admit(batch.publisher, batch.incarnation, batch.seq)
+        if admission == "stale":
             self._count.stale_batches += 1
             return ApplyOutcome("stale", 0, not pub.certain)
-        elif batch.incarnation > pub.incarnation:
-            pub.incarnation = batch.incarnation
-            self._uncertain(pub, f"new incarnation {batch.incarnation}")
-        elif batch.seq < pub.next_seq:
+        if admission == "duplicate":
             self._count.duplicate_batches += 1
             return ApplyOutcome("duplicate", 0, not pub.certain)
-        elif batch.seq > pub.next_seq:
-            self._uncertain(pub, f"sequence gap: expected {pub.next_seq}, got {batch.seq}")
-        pub.next_seq = batch.seq + 1
         ops = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -214,37 +167,16 @@ class GlobalIndex:
             elif isinstance(event, AllCleared):
                 self._clear(pub, None if event.tier is None else event.tier)
                 if event.tier is None:
-                    self._certain(pub)
+                    self._publishers.certain(pub)
             elif isinstance(event, Snapshot):
-                self._snapshot(pub, event)
+                if self._publishers.snapshot(pub, event.phase):
+                    self._clear(pub, None)
         self._count.batches_applied += 1
         if self._sets.memberships > self.max_memberships:
             self._forget(self._sets.memberships - (self.max_memberships - self.max_memberships // 16))
         return ApplyOutcome("applied", ops, not pub.certain)
 
-    def _uncertain(self, pub: _Publisher, reason: str) -> None:
-        self._count.gaps += 1
-        pub.certain = False
-        pub.reason = reason
-        pub.snapshot_clean = False
-
-    def _certain(self, pub: _Publisher) -> None:
-        if not pub.certain:
-            self._count.resyncs += 1
-        pub.certain, pub.reason, pub.in_snapshot = True, None, False
-
-    def _snapshot(self, pub: _Publisher, event: Snapshot) -> None:
-        if event.phase == "begin":
-            self._clear(pub, None)
-            if pub.certain:
-                pub.certain, pub.reason = False, "snapshot in progress"
-            pub.in_snapshot, pub.snapshot_clean = True, True
-        elif pub.in_snapshot and pub.snapshot_clean:
-            self._certain(pub)
-        else:
-            pub.in_snapshot = False  # an end without a clean begin: stays as it is
-
-    def _stored(self, pub: _Publisher, identity: PublisherIdentity, event: BlockStored) -> int:
+    def _stored(self, pub: PublisherState, identity: PublisherIdentity, event: BlockStored) -> int:
         n = len(event.engine_hashes)
         loc = self._location(pub, event.tier, event.group)
         if event.is_tier_event:
@@ -274,7 +206,7 @@ class GlobalIndex:
         self._count.blocks_stored += n
         return n
 
-    def _removed(self, pub: _Publisher, event: BlockRemoved) -> int:
+    def _removed(self, pub: PublisherState, event: BlockRemoved) -> int:
         n = len(event.engine_hashes)
         loc = pub.locs.get((event.tier, event.group))
         eslots = self._engine.find(self._engine_k1(pub, event.engine_hashes), None, pub.tag)
@@ -289,7 +221,7 @@ class GlobalIndex:
         self._count.blocks_removed += len(known)
         return n
 
-    def _clear(self, pub: _Publisher, tier: Tier | None) -> None:
+    def _clear(self, pub: PublisherState, tier: Tier | None) -> None:
         mask = 0
         for (t, _group), loc in pub.locs.items():
             if tier is None or t == tier:
@@ -332,23 +264,23 @@ class GlobalIndex:
                 slots[new_keys] = new
         return slots
 
-    def _engine_k1(self, pub: _Publisher, hashes: Sequence[int]) -> np.ndarray:
+    def _engine_k1(self, pub: PublisherState, hashes: Sequence[int]) -> np.ndarray:
         # A bijection of the engine hash for a fixed publisher, spread over the high bits that pick
         # the bucket; the hash is recovered from it (checkpoints), so it is not stored.
         e = np.array(hashes, dtype=np.uint64) if not isinstance(hashes, np.ndarray) else hashes
         return (e ^ _U64(_MIX_PUB * pub.tag % (1 << 64))) * _U64(_MIX_MUL)
 
-    def _engine_hashes(self, pub: _Publisher, k1: np.ndarray) -> np.ndarray:
+    def _engine_hashes(self, pub: PublisherState, k1: np.ndarray) -> np.ndarray:
         return (k1 * _U64(_MIX_INV)) ^ _U64(_MIX_PUB * pub.tag % (1 << 64))
 
-    def _engine_block_key(self, pub: _Publisher, engine_hash: int) -> int | None:
+    def _engine_block_key(self, pub: PublisherState, engine_hash: int) -> int | None:
         eslot = self._engine.find(self._engine_k1(pub, (engine_hash,)), None, pub.tag)[0]
         if eslot < 0:
             return None
         b = int(self._engine.values["ref"][eslot])
         return (int(self._blocks.k2[b]) << 64) | int(self._blocks.k1[b])
 
-    def _map_engine(self, pub: _Publisher, hashes: Sequence[int], blocks: np.ndarray) -> None:
+    def _map_engine(self, pub: PublisherState, hashes: Sequence[int], blocks: np.ndarray) -> None:
         k1 = self._engine_k1(pub, hashes)
         _u, first = np.unique(k1, return_index=True)
         if len(first) != len(k1):  # the same engine hash twice in one event: the last one wins
@@ -406,7 +338,7 @@ class GlobalIndex:
         masks = self._sets.masks
         return np.array([masks[s] & mask != 0 for s in uniq.tolist()], np.bool_)[inverse]
 
-    def _location(self, pub: _Publisher, tier: Tier, group: int) -> int:
+    def _location(self, pub: PublisherState, tier: Tier, group: int) -> int:
         loc = pub.locs.get((tier, group))
         if loc is None:
             loc = len(self._locations)
@@ -541,7 +473,7 @@ class GlobalIndex:
         pub = self._pubs.get(publisher)
         if pub is None:
             return None
-        return PublisherStatus(pub.name, pub.incarnation, pub.next_seq, pub.certain, pub.reason, pub.in_snapshot)
+        return pub.status()
 
     def publishers(self) -> tuple[str, ...]:
         return tuple(self._pubs)
@@ -560,7 +492,8 @@ class GlobalIndex:
         c = self._count
         return IndexStats(
             batches_applied=c.batches_applied, duplicate_batches=c.duplicate_batches, stale_batches=c.stale_batches,
-            gaps=c.gaps, resyncs=c.resyncs, blocks_stored=c.blocks_stored, blocks_removed=c.blocks_removed,
+            gaps=self._publishers.gaps, resyncs=self._publishers.resyncs, blocks_stored=c.blocks_stored,
+            blocks_removed=c.blocks_removed,
             unresolved_blocks=c.unresolved_blocks, unknown_removals=c.unknown_removals,
             forgotten_memberships=c.forgotten_memberships, forgotten_blocks=c.forgotten_blocks,
             forget_policy=FORGET_POLICY, memberships=self._sets.memberships, blocks=self._blocks.live,
@@ -593,6 +526,7 @@ class GlobalIndex:
 
         :meth:`restore` of these bytes into any index reproduces exactly these publishers' facts
         and answers; the stream worker writes one per partition (``streams/index_worker.py``).
+        The format is :mod:`nexuskv.index_checkpoint`.
         """
         scopes: dict[int, int] = {}
         out = []
@@ -606,55 +540,40 @@ class GlobalIndex:
             local = np.array([scopes.setdefault(int(t) - 1, len(scopes)) for t in self._blocks.tag[blocks].tolist()],
                              np.uint32)
             sets = setcol[blocks]
-            held = [np.flatnonzero(self._holds(sets, 1 << loc)).astype(np.uint32).tobytes()
-                    for loc in pub.locs.values()]
-            out.append({
-                "name": name, "incarnation": pub.incarnation, "next_seq": pub.next_seq, "certain": pub.certain,
-                "reason": pub.reason, "in_snapshot": pub.in_snapshot, "clean": pub.snapshot_clean,
-                "locs": [[t.value, g] for (t, g) in pub.locs], "held": held,
-                "ehash": self._engine_hashes(pub, self._engine.k1[eslots]).astype("<u8").tobytes(),
-                "lo": self._blocks.k1[blocks].astype("<u8").tobytes(),
-                "hi": self._blocks.k2[blocks].astype("<u8").tobytes(),
-                "scope": local.astype("<u4").tobytes(),
-            })
-        scope_list = [None] * len(scopes)
-        for sid, j in scopes.items():
-            scope_list[j] = self._scopes[sid].model_dump(mode="json")
-        return msgpack.packb({"version": CHECKPOINT_VERSION, "scopes": scope_list, "publishers": out},
-                             use_bin_type=True)
+            out.append(PublisherCheckpoint(
+                name=name, incarnation=pub.incarnation, next_seq=pub.next_seq, certain=pub.certain,
+                reason=pub.reason, in_snapshot=pub.in_snapshot, snapshot_clean=pub.snapshot_clean,
+                locations=tuple(pub.locs),
+                held=tuple(np.flatnonzero(self._holds(sets, 1 << loc)).astype(np.uint32) for loc in pub.locs.values()),
+                engine_hashes=self._engine_hashes(pub, self._engine.k1[eslots]),
+                key_lo=self._blocks.k1[blocks], key_hi=self._blocks.k2[blocks], scope=local))
+        scope_list = [self._scopes[sid] for sid, _ in sorted(scopes.items(), key=lambda kv: kv[1])]
+        return encode_checkpoint(IndexCheckpoint(tuple(scope_list), tuple(out)))
 
     def restore(self, data: bytes) -> tuple[str, ...]:
         """Load a :meth:`checkpoint`, replacing whatever this index held for its publishers."""
-        doc = msgpack.unpackb(data, raw=False)
-        if doc.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"index checkpoint version {doc.get('version')!r} is not {CHECKPOINT_VERSION}")
-        scope_ids = [self._scope_id(IdentityScope.model_validate(s), create=True) for s in doc["scopes"]]
+        cp = decode_checkpoint(data)
+        scope_ids = [self._scope_id(s, create=True) for s in cp.scopes]
         names = []
-        for item in doc["publishers"]:
-            name = item["name"]
+        for item in cp.publishers:
+            name = item.name
             pub = self._pubs.get(name)
             if pub is None:
-                pub = _Publisher(pid=len(self._pub_list), name=name, incarnation=0, next_seq=0)
-                self._pubs[name] = pub
-                self._pub_list.append(pub)
+                pub = self._publishers.add(name)
             else:
                 self._clear(pub, None)
-            pub.incarnation, pub.next_seq = item["incarnation"], item["next_seq"]
-            pub.certain, pub.reason = item["certain"], item["reason"]
-            pub.in_snapshot, pub.snapshot_clean = item["in_snapshot"], item["clean"]
-            ehash = np.frombuffer(item["ehash"], "<u8").astype(np.uint64)
-            lo = np.frombuffer(item["lo"], "<u8").astype(np.uint64)
-            hi = np.frombuffer(item["hi"], "<u8").astype(np.uint64)
-            local = np.frombuffer(item["scope"], "<u4").astype(np.intp)
+            pub.incarnation, pub.next_seq = item.incarnation, item.next_seq
+            pub.certain, pub.reason = item.certain, item.reason
+            pub.in_snapshot, pub.snapshot_clean = item.in_snapshot, item.snapshot_clean
+            lo, hi, local = item.key_lo, item.key_hi, item.scope
             for j in np.unique(local).tolist():
                 rows = np.flatnonzero(local == j)
                 self._find_or_insert_blocks(lo[rows], hi[rows], scope_ids[j] + 1)
             # Found again after every insert: an insert may have rehashed the table (slots move).
             blocks = self._blocks.find(lo, hi, np.array([scope_ids[j] + 1 for j in local.tolist()], np.uint32))
-            self._map_engine(pub, ehash, blocks)
-            for (tier, group), held in zip(item["locs"], item["held"]):
-                loc = self._location(pub, Tier(tier), int(group))
-                rows = np.frombuffer(held, "<u4").astype(np.intp)
+            self._map_engine(pub, item.engine_hashes, blocks)
+            for (tier, group), rows in zip(item.locations, item.held):
+                loc = self._location(pub, tier, group)
                 if len(rows):
                     self._add_location(blocks[rows], loc)
             names.append(name)

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tomllib
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Annotated, Literal
 
 import pydantic
 from pydantic import Field, field_validator, model_validator
 
-from nexuskv.contract import Contract
+from nexuskv.contracts.base import Contract
 from nexuskv.descriptor import Tier
 from nexuskv.errors import PolicyError
 
@@ -47,10 +45,8 @@ __all__ = [
     "Fallback",
     "ExecutionPolicy",
     "parse_policy",
-    "load_policy",
     "ReloadOutcome",
     "PolicyHolder",
-    "PolicyFile",
 ]
 
 POLICY_SCHEMA = "nexuskv.execution_policy.v1"
@@ -265,19 +261,6 @@ def parse_policy(raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str 
         raise PolicyError(origin, _errors_of(exc)) from None
 
 
-def _format_of(path: Path) -> Literal["toml", "json"]:
-    return "json" if path.suffix.lower() == ".json" else "toml"
-
-
-def load_policy(path: Path) -> ExecutionPolicy:
-    """Read and validate a policy file (``.json`` as JSON, anything else as TOML)."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise PolicyError(str(path), [("<file>", f"cannot read: {exc.strerror or exc}")]) from None
-    return parse_policy(raw, fmt=_format_of(Path(path)), origin=str(path))
-
-
 @dataclass(frozen=True, slots=True)
 class ReloadOutcome:
     """What an attempt to install a new policy did. ``policy`` is the one in force afterwards."""
@@ -308,42 +291,3 @@ class PolicyHolder:
         changed = candidate.tag != self._current.tag
         self._current = candidate
         return ReloadOutcome(candidate, changed=changed)
-
-
-class PolicyFile:
-    """A policy file watched for changes: :meth:`poll` reloads it when its stat changes.
-
-    Start-up is strict (an invalid file raises PolicyError naming the field); a reload is not
-    (the last known good policy stays in force and the outcome carries the error).
-    """
-
-    __slots__ = ("path", "holder", "_stamp")
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._stamp = self._stat()
-        self.holder = PolicyHolder(load_policy(self.path))
-
-    @property
-    def current(self) -> ExecutionPolicy:
-        return self.holder.current
-
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def poll(self) -> ReloadOutcome | None:
-        """Reload if the file changed since the last look; None when it did not."""
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return None
-        self._stamp = stamp
-        try:
-            raw = self.path.read_bytes()
-        except OSError as exc:
-            err = PolicyError(str(self.path), [("<file>", f"cannot read: {exc.strerror or exc}")])
-            return ReloadOutcome(self.holder.current, changed=False, error=err)
-        return self.holder.offer(raw, fmt=_format_of(self.path), origin=str(self.path))

@@ -36,7 +36,7 @@ from nexuskv.descriptor import Tier
 from nexuskv.planner import Headroom, Plan, fallback_decision
 from nexuskv.policy import ExecutionPolicy
 
-__all__ = ["TicketState", "Ticket", "Cancel", "Demote", "Evict", "Fallback", "Effect", "PrefetchScheduler",
+__all__ = ["TicketState", "Ticket", "Cancel", "Demote", "Evict", "PrefetchFallback", "Effect", "PrefetchScheduler",
            "effect_hint"]
 
 
@@ -92,13 +92,13 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
-class Fallback:
+class PrefetchFallback:
     request_id: str
     decision: Decision  # the superseding recompute record
     reason: str
 
 
-Effect = Cancel | Demote | Evict | Fallback
+Effect = Cancel | Demote | Evict | PrefetchFallback
 
 
 class PrefetchScheduler:
@@ -258,7 +258,7 @@ class PrefetchScheduler:
         if original is None:
             return []
         decision = fallback_decision(original, why, now=now)
-        return [Fallback(rid, decision, why)]
+        return [PrefetchFallback(rid, decision, why)]
 
     def _late(self, ticket: Ticket) -> list[Effect]:
         mode = self._policy.fallback.late_transfer

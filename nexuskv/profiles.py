@@ -192,8 +192,8 @@ COMPUTE: tuple[ComputeCost, ...] = tuple(
 )
 
 
-# -- the reference runtime on a CPU (what `nexuskv replay` and the tests run) ------------------------
-#: NexusKV's reference runtime (``nexuskv.runtime``) on the 2-core CI machine: its "GPU" is the
+# -- the reference engine on a CPU (what `nexuskv replay` and the tests run) ------------------------
+#: NexusKV's reference engine (``nexuskv.reference_engine``) on the 2-core CI machine: its "GPU" is the
 #: device tier's host-memory stand-in. Measured here, not assumed: the links from
 #: ``benchmarks/bench_copy.py`` (2 MiB payloads: host->device 5.2 GB/s, disk->host 5.1 GB/s,
 #: remote->host 2.5 GB/s; ~20 us of bookkeeping per payload), the compute prior from
@@ -203,7 +203,7 @@ REFERENCE_CPU = "reference-cpu"
 REFERENCE_MODELS = ("nexuskv-reference/gqa", "nexuskv-reference/mla", "nexuskv-reference/hybrid")
 REFERENCE_HARDWARE = HardwareProfile(
     name=REFERENCE_CPU, hbm_bytes_per_s=20e9, prefill_chunk_tokens=2048, lookup_s=2e-4, sync_s=5e-5,
-    label="reference runtime on 2 CPU cores; device tier is a host-memory stand-in (measured, 2026-11-29)",
+    label="reference engine on 2 CPU cores; device tier is a host-memory stand-in (measured, 2026-11-29)",
 )
 _BENCH = "measured on the CI machine by benchmarks/bench_copy.py (2 MiB payloads)"
 REFERENCE_LINKS: tuple[LinkCost, ...] = (

@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from nexuskv.config import BrokerUrl
-from nexuskv.contract import Contract
 from nexuskv.contracts import codec
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError

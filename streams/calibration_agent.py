@@ -43,10 +43,11 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import COST_MODELS, DEAD_LETTER, OBSERVATIONS
 from nexuskv.cost import CostModel
 from nexuskv.errors import ContractError
-from nexuskv.policy import ExecutionPolicy, load_policy
+from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import dead_letter_for
 from streams.faust_app import make_faust_app
+from streams.policy_file import load_policy
 from streams.telemetry import init_service
 
 __all__ = ["SERVICE", "CalibrationWorker", "build_app", "main"]

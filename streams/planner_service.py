@@ -49,8 +49,8 @@ from typing import Any, cast
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from nexuskv.config import BrokerUrl, Settings
-from nexuskv.contract import Contract
 from nexuskv.contracts import codec
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.topics import (
@@ -69,16 +69,25 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LookupResult
 from nexuskv.models import KNOWN_MODELS, known_model
 from nexuskv.planner import Plan, PlanQuery, explain, plan
-from nexuskv.policy import ExecutionPolicy, PolicyFile
-from nexuskv.prefetch import Effect, Fallback, PrefetchScheduler, effect_hint
+from nexuskv.policy import ExecutionPolicy
+from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
 from streams.cost_models import CostModelReplica
+from streams.policy_file import PolicyFile
 from streams.process import stop_on_signals
-from streams.telemetry import METRICS, carrier_headers, decision_attributes, init_service, reason_code, span_from_record, tracer
+from streams.telemetry import (
+    METRICS,
+    carrier_headers,
+    decision_attributes,
+    init_service,
+    reason_code,
+    span_from_record,
+    tracer,
+)
 
-__all__ = ["SERVICE", "NullIndexView", "DescriptorRegistry", "Outgoing", "PlannerCore", "PlannerService", "main"]
+__all__ = ["SERVICE", "NullIndexView", "KnownDescriptors", "Outgoing", "PlannerCore", "PlannerService", "main"]
 
 SERVICE = "nexuskv-planner"
 log = logging.getLogger(__name__)
@@ -91,7 +100,7 @@ class NullIndexView:
         return LookupResult(num_blocks=len(keys), matches=())
 
 
-class DescriptorRegistry:
+class KnownDescriptors:
     """Descriptors the planner can resolve by id: the known models, and any a request carried."""
 
     def __init__(self, descriptors: Iterable[StateDescriptor] = (), *, capacity: int = 4096) -> None:
@@ -101,7 +110,7 @@ class DescriptorRegistry:
             self.add(d)
 
     @classmethod
-    def with_known_models(cls) -> DescriptorRegistry:
+    def with_known_models(cls) -> KnownDescriptors:
         return cls(known_model(name) for name in KNOWN_MODELS)
 
     def add(self, descriptor: StateDescriptor) -> None:
@@ -146,7 +155,7 @@ def _record_decisions(span: Any, produced: Iterable[Outgoing]) -> None:
 def effect_records(effects: Iterable[Effect], *, now: float) -> list[Outgoing]:
     out: list[Outgoing] = []
     for e in effects:
-        if isinstance(e, Fallback):
+        if isinstance(e, PrefetchFallback):
             out.append(Outgoing(DECISIONS, e.request_id, e.decision))
         else:
             hint = effect_hint(e, now=now)
@@ -158,7 +167,7 @@ class PlannerCore:
     """Everything between bytes in and records out, without I/O; the clock is passed in."""
 
     def __init__(self, index: IndexView, *, model: Callable[[], CostModel], policy: Callable[[], ExecutionPolicy],
-                 descriptors: DescriptorRegistry, identity_secret: bytes = b"", seen_capacity: int = 100_000) -> None:
+                 descriptors: KnownDescriptors, identity_secret: bytes = b"", seen_capacity: int = 100_000) -> None:
         self.index = index
         self.model = model
         self.policy = policy
@@ -230,7 +239,7 @@ class PlannerService:
 
     def __init__(self, url: BrokerUrl, index: IndexView, *, base_model: CostModel | None = None,
                  policy: ExecutionPolicy | None = None, policy_file: Path | None = None,
-                 descriptors: DescriptorRegistry | None = None, identity_secret: bytes = b"",
+                 descriptors: KnownDescriptors | None = None, identity_secret: bytes = b"",
                  clock: Callable[[], float] = time.time, service: str = SERVICE, group_id: str | None = None,
                  policy_reload_s: float = 1.0, tick_s: float = 0.02, commit_s: float = 0.1) -> None:
         self.url = url
@@ -241,7 +250,7 @@ class PlannerService:
         self._policy = policy or (self.policy_file.current if self.policy_file else ExecutionPolicy(version="builtin"))
         self.replica = CostModelReplica(url, base_model or shipped_cost_model(), service=service, clock=clock)
         self.core = PlannerCore(index, model=lambda: self.replica.model, policy=lambda: self.policy,
-                                descriptors=descriptors or DescriptorRegistry.with_known_models(),
+                                descriptors=descriptors or KnownDescriptors.with_known_models(),
                                 identity_secret=identity_secret)
         self.policy_reload_s = policy_reload_s
         self.tick_s = tick_s

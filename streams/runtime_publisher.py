@@ -1,9 +1,9 @@
-"""The bus side of the reference runtime's publisher seam.
+"""The bus side of the reference engine's publisher seam.
 
-:class:`~nexuskv.runtime.runtime.ReferenceRuntime` is synchronous and imports no Kafka; it calls
+:class:`~nexuskv.reference_engine.engine.ReferenceEngine` is synchronous and imports no Kafka; it calls
 ``publisher(record)``. :class:`BusPublisher` is that callable: it keeps the records in order and
 :meth:`BusPublisher.flush` sends them (``nexuskv.kv-events`` and ``nexuskv.observations``, keyed
-by :func:`streams.routing.route`), returning once the broker acknowledged each. Flush after each
+by :func:`streams.topic_keys.route`), returning once the broker acknowledged each. Flush after each
 engine step, as an engine's event publisher drains its queue.
 """
 
@@ -14,9 +14,9 @@ import threading
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
-from nexuskv.runtime.events import Record
+from nexuskv.reference_engine.events import Record
 from streams.bus import send
-from streams.routing import route
+from streams.topic_keys import route
 
 __all__ = ["BusPublisher"]
 

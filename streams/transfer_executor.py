@@ -44,8 +44,8 @@ from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
 from streams.process import stop_on_signals
-from streams.routing import route
 from streams.telemetry import METRICS, init_service, start_span_from_record
+from streams.topic_keys import route
 
 __all__ = ["TransferService", "catalog_from_settings", "main"]
 

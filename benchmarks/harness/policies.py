@@ -9,8 +9,8 @@ workers' reported loads, and — for the engine's own connector — the engine's
 * ``engine-lru`` — engine-native prefix caching (GPU only, LRU), no cache-aware routing.
 * ``hit-driven`` — every tier; the load balancer's worker loads the longest prefix the index
   shows anywhere (peer memory, peer disk, the store), always, whatever it costs.
-* ``dynamo`` / ``llm-d`` — their routers (:class:`~nexuskv.routing.DynamoCost`,
-  :class:`~nexuskv.routing.LlmdScheduler`) pick the worker; that worker's connector then loads,
+* ``dynamo`` / ``llm-d`` — their routers (:class:`~nexuskv.routing_policies.DynamoCost`,
+  :class:`~nexuskv.routing_policies.LlmdScheduler`) pick the worker; that worker's connector then loads,
   always, the longest prefix its own host and disk or the shared store hold (LMCache's lookup order
   host, disk, remote; KVBM's G2, G3, G4). Neither pulls from a peer's memory.
 * ``nexuskv`` — :func:`nexuskv.planner.plan` on the index's lookup and the believed cost model,
@@ -45,9 +45,9 @@ from nexuskv.cost import CostModel, LinearCost
 from nexuskv.descriptor import Tier
 from nexuskv.planner import Plan, PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
-from nexuskv.prefetch import Fallback, PrefetchScheduler
+from nexuskv.prefetch import PrefetchFallback, PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
-from nexuskv.routing import DynamoCost, LlmdScheduler
+from nexuskv.routing_policies import DynamoCost, LlmdScheduler
 from streams.calibration_agent import CalibrationWorker
 
 from benchmarks.harness.cluster import STORE
@@ -168,7 +168,7 @@ def _connector_load(adm: Admission, worker: str) -> Choice:
 
 
 class Routed(Policy):
-    """A router of :mod:`nexuskv.routing` picks the worker; its connector loads what it holds."""
+    """A router of :mod:`nexuskv.routing_policies` picks the worker; its connector loads what it holds."""
 
     def __init__(self, router: DynamoCost | LlmdScheduler) -> None:
         self.router = router
@@ -266,7 +266,7 @@ class NexusKV(Policy):
         self._now = now
         self._publish_due()
         for effect in self.scheduler.tick(now=now):
-            if isinstance(effect, Fallback):
+            if isinstance(effect, PrefetchFallback):
                 self.count["scheduler_fallbacks"] += 1
 
     def decide(self, adm: Admission) -> Choice:
@@ -325,7 +325,7 @@ class NexusKV(Policy):
             if self._records is not None:
                 self._records["results"].append(result)
             for effect in self.scheduler.complete(result, now=o.copy_end):
-                if isinstance(effect, Fallback):
+                if isinstance(effect, PrefetchFallback):
                     self.count["scheduler_fallbacks"] += 1
         kind = o.link
         if done and kind in _OBSERVED_TIER and (self.calibration is not None or self._records is not None):

@@ -28,7 +28,7 @@ from benchmarks.harness.simulator import Row, RunOutput, simulate
 from benchmarks.harness.state import SHARED_TENANT
 from benchmarks.harness.truth import DRIFTS, TrueCosts
 from benchmarks.harness.workloads import Workload, no_reuse_workload, shapes_workload, trace_workload
-from benchmarks.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
+from benchmarks.trace_events import CONVERSATION_TRACE, SYNTHETIC_TRACE
 
 __all__ = ["TRACES", "HarnessConfig", "HarnessResult", "run_harness", "build_workload"]
 

@@ -7,7 +7,7 @@ tenant, LoRA adapter, output length and workload label.
 
 * **Trace replay** (:func:`trace_workload`). A Mooncake FAST'25 hash id stands for a 512-token
   block and its whole prefix; each becomes one piece (the last one partial), so the 16-token keys
-  chain exactly as :mod:`benchmarks.traces` does. Arrival = trace timestamp / ``time_scale``
+  chain exactly as :mod:`benchmarks.trace_events` does. Arrival = trace timestamp / ``time_scale``
   (``time_scale`` > 1 compresses time: the trace's requests arrive faster, the cluster works harder).
 * **Shapes** (:func:`shapes_workload`). Sessions of each §10.2 shape — shared system prompt,
   multi-turn chat, RAG documents, branching agent history, no-reuse control — each at a matrix
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.traces import BLOCK_TOKENS, HASH_BLOCK_TOKENS, VOCAB, load_trace
+from benchmarks.trace_events import BLOCK_TOKENS, HASH_BLOCK_TOKENS, VOCAB, load_trace
 
 __all__ = ["Request", "Workload", "SHAPES", "CONTEXT_POINTS", "REUSE_POINTS", "segment_tokens", "prompt_tokens",
            "trace_workload", "shapes_workload", "no_reuse_workload"]

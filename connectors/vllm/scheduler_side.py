@@ -2,8 +2,8 @@
 
 vLLM builds one connector per role; this is the logic of the ``KVConnectorRole.SCHEDULER``
 instance, in vLLM's engine-core process (:mod:`connectors.vllm.shell` translates vLLM's objects
-into the plain values taken here; :mod:`connectors.vllm.reference_engine` drives it with NexusKV's
-reference runtime playing vLLM). Its worker-side counterpart is
+into the plain values taken here; :mod:`connectors.vllm.standin` drives it with NexusKV's
+reference engine standing in for vLLM). Its worker-side counterpart is
 :mod:`connectors.vllm.worker_side`; what passes between them is :mod:`connectors.vllm.meta`.
 
 **Loads** (``num_new_matched_tokens``). The request's canonical block keys are looked up in the

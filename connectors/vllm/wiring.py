@@ -32,7 +32,8 @@ from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
 from nexuskv.identity import BlockKeyer, IdentityScope
-from nexuskv.policy import ExecutionPolicy, PolicyFile
+from nexuskv.policy import ExecutionPolicy
+from streams.policy_file import PolicyFile
 from nexuskv.priors import ColdStart
 
 __all__ = ["disk_root", "tier_state_dir", "build_scheduler_side", "build_worker_side"]

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pydantic
 
-from nexuskv.contract import Contract, contract_error
+from nexuskv.contracts.base import Contract, contract_error
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError, SchemaVersionError
 

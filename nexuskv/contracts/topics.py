@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nexuskv.contract import Contract
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Decision

@@ -37,7 +37,7 @@ from benchmarks.harness.workloads import (
     shapes_workload,
     trace_workload,
 )
-from benchmarks.traces import CONVERSATION_SLICE, load_trace
+from benchmarks.trace_events import CONVERSATION_SLICE, load_trace
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
 

@@ -1,4 +1,4 @@
-"""Factories for connector tests: a cost model for the reference runtime, an index fed by runtimes.
+"""Factories for connector tests: a cost model for the reference engine, an index fed by runtimes.
 
 The cost model makes recomputing the tiny reference model expensive next to reading its blocks
 (``c1`` = 2 ms per token, links of a few GB/s), as a real model's is, so the planner decides to
@@ -12,7 +12,7 @@ from nexuskv.cost import ComputeCost, CostModel, HardwareProfile, LinearCost, Li
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.index import GlobalIndex
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
-from nexuskv.runtime.events import Record
+from nexuskv.reference_engine.events import Record
 
 PROFILE = "reference-cpu"
 POLICY = ExecutionPolicy(version="connector-test", planner=PlannerSettings(default_hardware_profile=PROFILE))
@@ -20,7 +20,7 @@ POLICY = ExecutionPolicy(version="connector-test", planner=PlannerSettings(defau
 
 def cost_model(descriptor: StateDescriptor, *, bytes_per_s: float = 2e9, per_token_s: float = 2e-3) -> CostModel:
     hw = HardwareProfile(name=PROFILE, hbm_bytes_per_s=1e11, prefill_chunk_tokens=2048, lookup_s=1e-5, sync_s=1e-5,
-                         label="test: the reference runtime on a CPU")
+                         label="test: the reference engine on a CPU")
     compute = ComputeCost(model=descriptor.model, profile=PROFILE, source="test",
                           params=LinearCost.independent((1e-3, per_token_s, 0.0), (1e-5, per_token_s / 50, 0.0)))
     links = [LinkCost(profile=PROFILE, source=Tier.GPU, destination=Tier.GPU, label="test: in place",

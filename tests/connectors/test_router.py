@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.router_sim import SimConfig, compare, side_by_side, sim_execution_policy
-from benchmarks.traces import CONVERSATION_SLICE, load_trace
 from connectors.router import POLICY_NAMES, RouteHints, Router, local_prefix, predict
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.placement import HintKind, PlacementHint
@@ -17,7 +15,10 @@ from nexuskv.models import known_model
 from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from nexuskv.routing import DynamoCost, LlmdScheduler
+from nexuskv.routing_policies import DynamoCost, LlmdScheduler
+
+from benchmarks.router_sim import SimConfig, compare, side_by_side, sim_execution_policy
+from benchmarks.trace_events import CONVERSATION_SLICE, load_trace
 from tests.planning import NOW, KeyIndex, keys_for
 
 LLAMA = known_model("meta-llama/Llama-3.1-8B", tenant_namespace="router-test")

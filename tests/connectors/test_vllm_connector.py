@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from connectors.vllm.meta import ConnectorMeta
-from connectors.vllm.reference_engine import ReferenceEngine
+from connectors.vllm.standin import VllmStandIn
 from connectors.vllm.scheduler_side import Readable, Scheduled, SchedulerSide
 from connectors.vllm.tier_publisher import TierPublisher, tier_publisher_name
 from connectors.vllm.worker_side import WorkerSide, layout_of, tier_held
@@ -31,17 +31,17 @@ from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import LookupResult
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
 from tests.connectors.reference import POLICY, PROFILE, IndexFeed, cost_model, slow_links
 
 TOL = 1e-5
-SPECS = {"gqa": ModelSpec.gqa(), "mla": ModelSpec.mla()}
+SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla()}
 MODELS = {name: TinyModel(spec) for name, spec in SPECS.items()}
 PROMPT = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(5)).tolist()  # 6 full blocks of 4
 
 
 def _reference_logits(name: str, tokens=PROMPT) -> torch.Tensor:
-    return ReferenceRuntime(SPECS[name], model=MODELS[name]).prefill(tokens, reuse=False).logits
+    return ReferenceEngine(SPECS[name], model=MODELS[name]).prefill(tokens, reuse=False).logits
 
 
 class _World:
@@ -53,11 +53,11 @@ class _World:
         self.feed = IndexFeed()
         self.model = model
         self.load_async, self.save_tier, self.clock = load_async, save_tier, clock
-        self.engines: list[ReferenceEngine] = []
+        self.engines: list[VllmStandIn] = []
         self.decisions: list = []
 
-    def engine(self, worker: str, index=None, incarnation: int = 0) -> ReferenceEngine:
-        rt = ReferenceRuntime(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed,
+    def engine(self, worker: str, index=None, incarnation: int = 0) -> VllmStandIn:
+        rt = ReferenceEngine(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed,
                               incarnation=incarnation)
         root = self.tmp / worker / "disk"
         backends = [DiskBackend(root, 1 << 24)]
@@ -79,7 +79,7 @@ class _World:
         publisher = TierPublisher(rt.descriptor, worker=rt.publisher_id, tier=tier, keyer=keyer, publish=self.feed,
                                   held=lambda keys: held(tier, keys), state_dir=self.tmp / worker)
         publisher.start()
-        engine = ReferenceEngine(rt, sched, WorkerSide(rt.descriptor, catalog, held=held, publisher=publisher,
+        engine = VllmStandIn(rt, sched, WorkerSide(rt.descriptor, catalog, held=held, publisher=publisher,
                                                        measure=False))
         self.engines.append(engine)
         return engine
@@ -102,7 +102,7 @@ def world(tmp_path):
         w.close()
 
 
-def _saved_then_cleared(world, name: str = "gqa", **kw) -> ReferenceEngine:
+def _saved_then_cleared(world, name: str = "gqa", **kw) -> VllmStandIn:
     """An engine that served PROMPT once (its blocks saved to its disk), then lost its GPU cache."""
     engine = world(name, **kw).engine("w-a")
     engine.serve("r1", PROMPT)
@@ -110,7 +110,7 @@ def _saved_then_cleared(world, name: str = "gqa", **kw) -> ReferenceEngine:
     return engine
 
 
-def _disk_payload(engine: ReferenceEngine, block: int) -> tuple[DiskBackend, PayloadKey]:
+def _disk_payload(engine: VllmStandIn, block: int) -> tuple[DiskBackend, PayloadKey]:
     return engine.worker.catalog.backends[0], PayloadKey(engine.runtime.descriptor.descriptor_id,
                                                          engine.runtime.block_keys(PROMPT)[block])
 
@@ -300,13 +300,13 @@ def test_each_filled_block_is_saved_in_the_step_that_fills_it(world):
 
 
 def test_hybrid_state_is_refused_with_the_reason(tmp_path):
-    rt = ReferenceRuntime(ModelSpec.hybrid())
+    rt = ReferenceEngine(ReferenceModelSpec.hybrid())
     with pytest.raises(ConfigError, match="hybrid models need SupportsHMA"):
         WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]))
 
 
 def test_registered_kv_caches_must_match_the_descriptor(tmp_path):
-    rt = ReferenceRuntime(SPECS["gqa"], model=MODELS["gqa"])
+    rt = ReferenceEngine(SPECS["gqa"], model=MODELS["gqa"])
     worker = WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]),
                         measure=False)
     caches = rt.kv_caches()

@@ -109,20 +109,20 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     import torch
 
     from connectors.bus_thread import BackgroundBus
-    from connectors.vllm.reference_engine import ReferenceEngine
+    from connectors.vllm.standin import VllmStandIn
     from connectors.vllm.tier_publisher import tier_publisher_name
     from connectors.vllm.wiring import build_scheduler_side, build_worker_side
     from nexuskv.config import Settings
     from nexuskv.contracts.kv_events import KvEventBatch
     from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS
-    from nexuskv.runtime import ModelSpec, ReferenceRuntime
+    from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec
     from streams.topics import ensure_topics
     from tests.connectors.reference import PROFILE, cost_model
 
     asyncio.run(ensure_topics(kafka_url, partitions=8))
     tenant = f"vllm-shell-{uuid.uuid4().hex[:8]}"
-    spec = ModelSpec.gqa()
-    probe_rt = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell")
+    spec = ReferenceModelSpec.gqa()
+    probe_rt = ReferenceEngine(spec, tenant_namespace=tenant, worker="w-shell")
     path = tmp_path / "descriptor.json"
     path.write_text(probe_rt.descriptor.model_dump_json())
     cfg = ConnectorConfig.parse({"descriptor": str(path), "tenant": tenant, "worker": probe_rt.publisher_id,
@@ -132,11 +132,11 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     worker, producer = build_worker_side(cfg, settings=settings, measure=False)
     engines = []
     try:
-        def engine(incarnation: int, w) -> ReferenceEngine:
-            rt = ReferenceRuntime(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
+        def engine(incarnation: int, w) -> VllmStandIn:
+            rt = ReferenceEngine(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
                                   incarnation=incarnation,
                                   publisher=lambda r: bus.publish(r) if isinstance(r, KvEventBatch) else None)
-            return ReferenceEngine(rt, sched, w)
+            return VllmStandIn(rt, sched, w)
 
         first = engine(1, worker)
         engines.append(first)
@@ -146,7 +146,7 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
         bus.wait_caught_up()
         served = first.serve("r2", prompt)
         assert served.matched_tokens == 24 and served.loaded_tokens == 24
-        expected = ReferenceRuntime(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
+        expected = ReferenceEngine(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
         assert (served.result.logits - expected).abs().max().item() <= 1e-5
 
         worker.close()

@@ -10,7 +10,8 @@ import pytest
 
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError, PolicyError
-from nexuskv.policy import POLICY_SCHEMA, ExecutionPolicy, PolicyFile, PolicyHolder, load_policy, parse_policy
+from nexuskv.policy import POLICY_SCHEMA, ExecutionPolicy, PolicyHolder, parse_policy
+from streams.policy_file import PolicyFile, load_policy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "policy" / "default.toml"
 

@@ -14,8 +14,9 @@ from nexuskv.descriptor import Granularity, LayerGroup, StateDescriptor, TensorS
 from nexuskv.models import known_model
 from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy, parse_policy
-from nexuskv.prefetch import Cancel, Demote, Evict, Fallback, PrefetchScheduler, TicketState, effect_hint
+from nexuskv.prefetch import Cancel, Demote, Evict, PrefetchFallback, PrefetchScheduler, TicketState, effect_hint
 from nexuskv.profiles import shipped_cost_model
+
 from tests.planning import NOW, lookup, match, query
 
 LLAMA8 = known_model("meta-llama/Llama-3.1-8B", tenant_namespace="acme")
@@ -63,7 +64,7 @@ def test_a_prefetch_that_misses_its_deadline_falls_back_to_recompute_and_is_canc
     deadline = p.decision.deadline_at
     assert s.tick(now=deadline - 1e-3) == []
     effects = s.tick(now=deadline)
-    fallback = [e for e in effects if isinstance(e, Fallback)]
+    fallback = [e for e in effects if isinstance(e, PrefetchFallback)]
     cancels = [e for e in effects if isinstance(e, Cancel)]
     assert len(fallback) == 1 and len(cancels) == 1
     dec = fallback[0].decision
@@ -88,7 +89,7 @@ def test_let_finish_keeps_the_budget_until_the_late_copy_lands_then_evicts():
     p = prefetch_plan(policy=policy)
     s.track(p, now=NOW)
     effects = s.tick(now=p.decision.deadline_at)
-    assert [type(e) for e in effects] == [Fallback]
+    assert [type(e) for e in effects] == [PrefetchFallback]
     assert s.transfers == 1  # still moving, still counted
     late = s.complete(result(p.transfers[0], at=p.decision.deadline_at + 1), now=p.decision.deadline_at + 1)
     assert [type(e) for e in late] == [Evict] and s.transfers == 0
@@ -105,7 +106,7 @@ def test_a_late_result_before_the_tick_is_still_late():
     p = prefetch_plan()
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], at=p.decision.deadline_at + 0.2), now=p.decision.deadline_at + 0.2)
-    assert [type(e) for e in effects] == [Fallback, Demote]
+    assert [type(e) for e in effects] == [PrefetchFallback, Demote]
 
 
 def test_a_failed_transfer_falls_back_before_its_deadline():
@@ -113,7 +114,7 @@ def test_a_failed_transfer_falls_back_before_its_deadline():
     p = prefetch_plan()
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], status="integrity_error", error="checksum mismatch"), now=NOW + 0.05)
-    assert [type(e) for e in effects] == [Fallback] and "checksum mismatch" in effects[0].decision.reason
+    assert [type(e) for e in effects] == [PrefetchFallback] and "checksum mismatch" in effects[0].decision.reason
     assert s.ticket(p.transfers[0].transfer_id).state is TicketState.FAILED and s.transfers == 0
     assert s.complete(result(p.transfers[0]), now=NOW + 0.1) == []  # a duplicate result changes nothing
 
@@ -168,7 +169,7 @@ def test_every_group_of_a_request_falls_back_together():
     s = PrefetchScheduler(POLICY)
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], status="failed", error="nic down"), now=NOW + 0.01)
-    assert [type(e) for e in effects] == [Fallback, Cancel]
+    assert [type(e) for e in effects] == [PrefetchFallback, Cancel]
     assert effects[1].ticket.transfer_id == p.transfers[1].transfer_id
     assert s.transfers == 0
     with pytest.raises(ValueError, match="already tracked"):

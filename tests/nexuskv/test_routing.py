@@ -12,7 +12,7 @@ from nexuskv.models import known_model
 from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from nexuskv.routing import (
+from nexuskv.routing_policies import (
     ROUTING_POLICIES,
     DynamoCost,
     EffectiveGainRouter,
@@ -20,6 +20,7 @@ from nexuskv.routing import (
     tier_prefixes,
     weighted_consecutive_prefix,
 )
+
 from tests.planning import NOW, lookup, match, query
 
 LLAMA8 = known_model("meta-llama/Llama-3.1-8B", tenant_namespace="acme")  # 16-token blocks

@@ -21,7 +21,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from benchmarks.traces import CONVERSATION_SLICE, TraceReplay, load_trace
+from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.contracts import codec
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.kv_events import KvEventBatch

@@ -29,8 +29,9 @@ from nexuskv.prefetch import PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
 from streams.broker import TansuBroker
 from streams.bus import make_consumer, make_producer
-from streams.planner_service import DescriptorRegistry, PlannerService, plan_records
+from streams.planner_service import KnownDescriptors, PlannerService, plan_records
 from streams.topics import ensure_topics
+
 from tests.factories import descriptor as tiny_descriptor
 from tests.planning import NOW, KeyIndex
 
@@ -81,7 +82,7 @@ def _scenario():
 
 def _expected(index, requests, model, policy):
     """What the pure planner says on the same inputs, replaying budgets in the same order."""
-    registry = DescriptorRegistry.with_known_models()
+    registry = KnownDescriptors.with_known_models()
     mirror = PrefetchScheduler(policy)
     records = []
     for req in requests:

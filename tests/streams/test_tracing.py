@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from analytics.sink import DecisionSink
+from streams.sink import DecisionSink
 from analytics.store import DecisionStore
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad

@@ -36,21 +36,21 @@ from nexuskv.dataplane import (
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
 from nexuskv.entries import EntryLocation
-from nexuskv.runtime import ModelSpec, ReferenceRuntime, TinyModel
+from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
 from streams.broker import TansuBroker
 from streams.bus import decode_record, make_consumer, make_producer, send
 from streams.runtime_publisher import BusPublisher
 from streams.topics import ensure_topics
 from streams.transfer_executor import TransferService
 
-SPEC = ModelSpec.gqa()
+SPEC = ReferenceModelSpec.gqa()
 MODEL = TinyModel(SPEC)
 PROMPT = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(9)).tolist()
 PAGE = 768 * SPEC.block_size  # bytes of one block of this model
 TIMEOUT_S = 60
 
 
-def _command(tag: str, rt: ReferenceRuntime, blocks: range, src: Tier, dst: Tier, worker: str, *,
+def _command(tag: str, rt: ReferenceEngine, blocks: range, src: Tier, dst: Tier, worker: str, *,
              deadline_in: float = 30.0) -> TransferCommand:
     keys = tuple(rt.block_keys(PROMPT)[i] for i in blocks)
     now = time.time()
@@ -96,7 +96,7 @@ async def test_faults_are_reported_as_such_and_the_request_recomputes(kafka_url,
     await ensure_topics(kafka_url, partitions=2)
     worker, tag = f"w-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:6]
     registry = DescriptorRegistry()
-    writer = ReferenceRuntime(SPEC, model=MODEL, registry=registry)
+    writer = ReferenceEngine(SPEC, model=MODEL, registry=registry)
     reference = writer.prefill(PROMPT, reuse=False).logits
     disk, host, device = DiskBackend(tmp_path, 1 << 22), HostMemoryBackend(1 << 22), DeviceMemoryBackend(2 * PAGE)
     assert writer.save(PROMPT, disk).blocks == 5
@@ -148,7 +148,7 @@ async def test_faults_are_reported_as_such_and_the_request_recomputes(kafka_url,
     assert device.keys() == []
     assert sorted(k.key for k in host.keys()) == sorted(writer.block_keys(PROMPT)[:2])
     for tier, reused in ((host, 8), (device, 0)):
-        reader = ReferenceRuntime(SPEC, model=MODEL, registry=registry)
+        reader = ReferenceEngine(SPEC, model=MODEL, registry=registry)
         reader.load(PROMPT, tier)
         result = reader.prefill(PROMPT)
         assert result.reused_tokens == reused
@@ -166,7 +166,7 @@ async def test_disk_host_device_through_the_embedded_broker(tmp_path):
         try:
             registry = DescriptorRegistry()
             bus = BusPublisher(producer)
-            writer = ReferenceRuntime(SPEC, model=MODEL, registry=registry, publisher=bus, worker=worker)
+            writer = ReferenceEngine(SPEC, model=MODEL, registry=registry, publisher=bus, worker=worker)
             reference = writer.prefill(PROMPT).logits
             disk, host, device = DiskBackend(tmp_path, 1 << 22), HostMemoryBackend(1 << 22), DeviceMemoryBackend(1 << 22)
             assert writer.save(PROMPT, disk).blocks == 5
@@ -196,7 +196,7 @@ async def test_disk_host_device_through_the_embedded_broker(tmp_path):
     stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
     assert stored[0].token_ids == tuple(PROMPT[:20]) and stored[1].tier is Tier.DISK
     assert device.capabilities.stand_in and len(device.keys()) == 5
-    reader = ReferenceRuntime(SPEC, model=MODEL, registry=registry)
+    reader = ReferenceEngine(SPEC, model=MODEL, registry=registry)
     assert reader.load(PROMPT, device).blocks == 5
     result = reader.prefill(PROMPT)
     assert result.reused_tokens == 20 and (result.logits - reference).abs().max().item() <= 1e-5

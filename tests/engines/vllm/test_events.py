@@ -91,7 +91,7 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
 
     # The bridge's descriptor, from the model's config.json (what the connector derives inside vLLM).
     desc_path = tmp_path / "descriptor.json"
-    subprocess.run([sys.executable, "-m", "streams.cli", "descriptor", str(tiny_model), "--model", str(tiny_model),
+    subprocess.run([sys.executable, "-m", "streams.app.cli", "descriptor", str(tiny_model), "--model", str(tiny_model),
                     "--block-size", str(BS), "--layout", "paged_hn_kvd", "--tenant", tenant, "--out", str(desc_path)],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     descriptor = StateDescriptor.model_validate_json(desc_path.read_text())

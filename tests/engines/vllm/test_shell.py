@@ -81,7 +81,7 @@ def test_the_metadata_crosses_processes_by_pickle(other_process):
 
 
 def test_the_configuration_from_vllms_own_config_is_the_models_descriptor(other_process, tiny_model):
-    cli = subprocess.run([sys.executable, "-m", "streams.cli", "descriptor", str(tiny_model), "--model", str(tiny_model),
+    cli = subprocess.run([sys.executable, "-m", "streams.app.cli", "descriptor", str(tiny_model), "--model", str(tiny_model),
                           "--block-size", "32", "--layout", "paged_hn_kvd", "--tenant", "acme"],
                          capture_output=True, text=True, cwd=ROOT, env=cpu_env(multiprocess=False), check=True)
     assert other_process["id"] == json.loads(cli.stdout)["descriptor_id"]

@@ -1,0 +1,127 @@
+"""Per-publisher sequence, incarnation and certainty: whether a kv-events batch applies, and what
+the index may believe about a publisher's facts afterwards.
+
+Per publisher: a batch whose ``seq`` was already applied (same incarnation) is a *duplicate* and
+ignored, as is a batch of an older incarnation (*stale*); that makes at-least-once redelivery
+harmless. A gap in ``seq``, a publisher first seen at ``seq > 0``, or a new incarnation makes the
+publisher *uncertain*: its facts are kept, but every match it contributes is reported
+``certain=False`` (the planner treats it as a miss), until it resyncs: an ``AllCleared`` for
+every tier, or a ``Snapshot`` ``end`` after a ``begin`` with no gap in between. Decision:
+certainty is per publisher, so facts stored *after* a gap are uncertain too (see
+:mod:`nexuskv.index`).
+
+Pure bookkeeping: :class:`Publishers` says what a batch is (:meth:`Publishers.admit`) and moves
+the certainty state; the index does what that implies to its facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nexuskv.descriptor import Tier
+
+__all__ = ["Admission", "PublisherState", "PublisherStatus", "Publishers"]
+
+Admission = Literal["applied", "duplicate", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStatus:
+    publisher: str
+    incarnation: int
+    next_seq: int
+    certain: bool
+    reason: str | None  # why it is uncertain (None when certain)
+    in_snapshot: bool
+
+
+@dataclass(slots=True)
+class PublisherState:
+    """One publisher as the index tracks it (mutable: the index's own working state)."""
+
+    pid: int
+    name: str
+    incarnation: int
+    next_seq: int
+    certain: bool = True
+    reason: str | None = None
+    in_snapshot: bool = False
+    snapshot_clean: bool = False
+    locs: dict[tuple[Tier, int], int] = field(default_factory=dict)  # (tier, group) -> location id
+    mask: int = 0  # bits of every location of this publisher
+
+    @property
+    def tag(self) -> int:
+        return self.pid + 1
+
+    def status(self) -> PublisherStatus:
+        return PublisherStatus(self.name, self.incarnation, self.next_seq, self.certain, self.reason,
+                               self.in_snapshot)
+
+
+class Publishers:
+    """Every publisher seen, by name and by dense id; counts gaps and resyncs."""
+
+    __slots__ = ("by_name", "by_id", "gaps", "resyncs")
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, PublisherState] = {}
+        self.by_id: list[PublisherState] = []
+        self.gaps = 0
+        self.resyncs = 0
+
+    def get(self, name: str) -> PublisherState | None:
+        return self.by_name.get(name)
+
+    def add(self, name: str, *, incarnation: int = 0, next_seq: int = 0) -> PublisherState:
+        pub = PublisherState(pid=len(self.by_id), name=name, incarnation=incarnation, next_seq=next_seq)
+        self.by_name[name] = pub
+        self.by_id.append(pub)
+        return pub
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def admit(self, name: str, incarnation: int, seq: int) -> tuple[PublisherState, Admission]:
+        """Whether batch ``seq`` of ``incarnation`` applies; on "applied" the sequence has advanced."""
+        pub = self.by_name.get(name)
+        if pub is None:
+            pub = self.add(name, incarnation=incarnation, next_seq=seq)
+            if seq != 0:
+                self.uncertain(pub, f"first seen at seq {seq}")
+        elif incarnation < pub.incarnation:
+            return pub, "stale"
+        elif incarnation > pub.incarnation:
+            pub.incarnation = incarnation
+            self.uncertain(pub, f"new incarnation {incarnation}")
+        elif seq < pub.next_seq:
+            return pub, "duplicate"
+        elif seq > pub.next_seq:
+            self.uncertain(pub, f"sequence gap: expected {pub.next_seq}, got {seq}")
+        pub.next_seq = seq + 1
+        return pub, "applied"
+
+    def uncertain(self, pub: PublisherState, reason: str) -> None:
+        self.gaps += 1
+        pub.certain = False
+        pub.reason = reason
+        pub.snapshot_clean = False
+
+    def certain(self, pub: PublisherState) -> None:
+        if not pub.certain:
+            self.resyncs += 1
+        pub.certain, pub.reason, pub.in_snapshot = True, None, False
+
+    def snapshot(self, pub: PublisherState, phase: Literal["begin", "end"]) -> bool:
+        """Move through a snapshot; True when the publisher's facts must be dropped first (a begin)."""
+        if phase == "begin":
+            if pub.certain:
+                pub.certain, pub.reason = False, "snapshot in progress"
+            pub.in_snapshot, pub.snapshot_clean = True, True
+            return True
+        if pub.in_snapshot and pub.snapshot_clean:
+            self.certain(pub)
+        else:
+            pub.in_snapshot = False  # an end without a clean begin: stays as it is
+        return False

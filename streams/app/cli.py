@@ -1,0 +1,290 @@
+"""``nexuskv`` — the command line. The composition root: it wires settings to the edges.
+
+Commands:
+
+* ``nexuskv up`` — start the bus (``NEXUSKV_BROKER`` or an embedded broker), create the topics,
+  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started.
+* ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
+  Kafka) and print its URL until interrupted.
+* ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
+* ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
+* ``nexuskv replay TRACE`` — a Mooncake trace through the whole pipeline (engines, index,
+  calibration, planner, executors, decision sink) into DuckDB, then the report.
+* ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots.
+* ``nexuskv config`` — print the settings table (environment variable, default, meaning).
+* ``nexuskv descriptor CONFIG`` — the State Descriptor of a model from its Hugging Face
+  ``config.json`` (what the vLLM connector derives from the same config), for the event bridge's
+  ``--descriptor`` and the router.
+
+Errors print one line, ``nexuskv: error: ...``, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from nexuskv.config import Settings, setting_rows
+from nexuskv.errors import ConfigError, NexusKVError
+from streams.telemetry import quiet_libraries
+
+__all__ = ["main"]
+
+log = logging.getLogger("nexuskv")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        quiet_libraries(settings.log_level)
+        return int(args.func(args, settings) or 0)
+    except ConfigError as exc:
+        print(f"nexuskv: error: {exc}", file=sys.stderr)
+        return 2
+    except NexusKVError as exc:
+        print(f"nexuskv: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nexuskv", description="NexusKV: the Model State Intelligence Layer.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the bus, topics and stream workers; stop on SIGINT/SIGTERM")
+    up.add_argument("--no-workers", action="store_true", help="start only the bus and topics")
+    up.set_defaults(func=_cmd_up)
+
+    broker = sub.add_parser("broker", help="run an embedded broker and print its URL")
+    broker.add_argument("--apache-kafka", action="store_true", help="run Apache Kafka (KRaft) instead of Tansu")
+    broker.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
+    broker.set_defaults(func=_cmd_broker)
+
+    topics = sub.add_parser("topics", help="create or list topics")
+    topics.add_argument("action", choices=["create", "list"])
+    topics.set_defaults(func=_cmd_topics)
+
+    schemas = sub.add_parser("schemas", help="export the wire contracts' JSON Schemas")
+    schemas.add_argument("--out", type=Path, default=Path("infra/schemas"))
+    schemas.set_defaults(func=_cmd_schemas)
+
+    replay = sub.add_parser("replay", help="replay a Mooncake trace through the whole pipeline, then report")
+    replay.add_argument("trace", type=Path, help="a Mooncake JSONL trace (benchmarks/data has slices)")
+    replay.add_argument("--requests", type=int, default=200, help="requests from the start of the trace")
+    replay.add_argument("--workers", type=int, default=4, help="simulated engines (reference engines)")
+    replay.add_argument("--time-scale", type=float, default=10.0, help="trace time divided by this")
+    replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
+    replay.add_argument("--gpu-pages", type=int, default=160, help="each engine's KV page pool, in blocks")
+    replay.add_argument("--conversations", type=int, default=0, metavar="N",
+                        help="replay only the first N multi-turn conversations, every turn: a short replay with reuse")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(func=_cmd_replay)
+
+    report = sub.add_parser("report", help="print a decision store's key tables and write its plots")
+    report.add_argument("db", type=Path, nargs="?", default=None,
+                        help="DuckDB file (default: the decision store's snapshot)")
+    report.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: beside the db)")
+    report.set_defaults(func=_cmd_report)
+
+    desc = sub.add_parser("descriptor", help="a model's State Descriptor from its Hugging Face config.json")
+    desc.add_argument("config", type=Path, help="the model's config.json, or its folder")
+    desc.add_argument("--model", required=True,
+                      help="the model's name in the identity scope (what the engine serves: vLLM's --model)")
+    desc.add_argument("--block-size", type=int, required=True, help="the engine's block (page) size in tokens")
+    desc.add_argument("--revision", default=None, help="model revision (default: main)")
+    desc.add_argument("--tokenizer-revision", default=None, help="tokenizer revision (default: the model's)")
+    desc.add_argument("--tenant", default="default")
+    desc.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    desc.add_argument("--kv-dtype", default=None, help="the engine's KV cache dtype when not the model's")
+    desc.add_argument("--layout", default="paged_nhd",
+                      help="block layout: paged_nhd (vLLM on GPU), paged_hn_kvd (vLLM's CPU build), paged_hnd")
+    desc.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (shards the KV heads)")
+    desc.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
+    desc.set_defaults(func=_cmd_descriptor)
+
+    config = sub.add_parser("config", help="print the settings table")
+    config.add_argument("--markdown", action="store_true", help="as the README's markdown table")
+    config.set_defaults(func=_cmd_config)
+    return p
+
+
+class _Stop:
+    """Turns SIGINT/SIGTERM into an event the main thread waits on."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self.event.set()
+
+    def wait(self) -> None:
+        while not self.event.wait(0.5):
+            pass
+
+
+def _cmd_broker(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import ApacheKafkaBroker, TansuBroker
+
+    stop = _Stop()
+    kind = ApacheKafkaBroker if args.apache_kafka else TansuBroker
+    broker = kind(port=args.port, start_timeout_s=max(settings.broker_start_timeout_s, 90 if args.apache_kafka else 0))
+    with broker:
+        print(broker.url, flush=True)
+        stop.wait()
+    return 0
+
+
+def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import open_bus
+    from streams.topics import ensure_topics, list_topics
+
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        if args.action == "create":
+            states = asyncio.run(ensure_topics(url, partitions=settings.topic_partitions,
+                                               replication=settings.topic_replication))
+            for s in states:
+                print(f"{s.name}\t{s.partitions}\t{'created' if s.created else 'exists'}")
+        else:
+            for name, parts in asyncio.run(list_topics(url)).items():
+                print(f"{name}\t{parts}")
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.broker import open_bus
+    from streams.app.services import start_services
+    from streams.remote_tier import local_address
+    from streams.topics import ensure_topics
+
+    stop = _Stop()
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
+        print(f"nexuskv: bus at {url}; topics ready", flush=True)
+        # The remote tier's store and the executors that use it must agree on its address.
+        remote = settings.remote_tier or local_address()
+        with start_services(url, settings, enabled=not args.no_workers, env={"NEXUSKV_REMOTE_TIER": remote}) as running:
+            names = ", ".join(s.name for s in running) or "none"
+            print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
+            stop.wait()
+            print("nexuskv: stopping", flush=True)
+    return 0
+
+
+def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.schemas import export_schemas
+
+    for path in export_schemas(args.out):
+        print(path)
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.app.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
+    from analytics.report import report
+    from streams.broker import open_bus
+    from streams.app.services import SERVICES, start_services
+    from streams.remote_tier import local_address
+    from streams.topics import ensure_topics
+
+    if not args.trace.is_file():
+        raise ConfigError("trace", f"no trace file at {args.trace}")
+    out = args.out or default_replay_dir(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    local = settings.model_copy(update={"data_dir": out})
+    config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests,
+                          workers=args.workers, time_scale=args.time_scale, conversations=args.conversations,
+                          gpu_pages=args.gpu_pages)
+    remote = local_address()
+    services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
+        print(f"nexuskv: replaying {args.trace.name} ({args.requests} requests, {args.workers} engines) on {url}",
+              flush=True)
+        env = {"NEXUSKV_REMOTE_TIER": remote, "NEXUSKV_DATA_DIR": str(out)}
+        with start_services(url, local, services=services, env=env):
+            result = asyncio.run(run_replay(config, url, remote, progress=not args.no_progress))
+    print(f"nexuskv: {result.requests} requests, {result.decisions} decided in {result.wall_s:.1f}s; actions "
+          f"{dict(result.actions)}; transfers {dict(result.transfers)}; reused {result.reused_tokens} of "
+          f"{result.prompt_tokens} prompt tokens; mean virtual TTFT {result.mean_ttft_s * 1000:.1f} ms")
+    tables, plots = report(config.db, out / "report")
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
+    print(f"decision store: {config.db}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    from analytics.report import report
+
+    db = args.db
+    if db is None:
+        live = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
+        db = live.with_name(live.stem + "-snapshot.duckdb")
+    if not db.is_file():
+        raise ConfigError("db", f"no decision store at {db}")
+    out = args.out or db.parent / f"{db.stem}-report"
+    tables, plots = report(db, out)
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
+    return 0
+
+
+def _cmd_descriptor(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.hf_config import descriptor_from_hf_config
+
+    path = args.config / "config.json" if args.config.is_dir() else args.config
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config", f"{path} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("config", f"{path} is not a config object")
+    d = descriptor_from_hf_config(config, model=args.model, block_size=args.block_size, model_revision=args.revision,
+                                  tokenizer_revision=args.tokenizer_revision, tenant=args.tenant,
+                                  engine_family=args.engine, kv_dtype=args.kv_dtype, layout=args.layout,
+                                  tp_size=args.tp_size)
+    text = d.model_dump_json(indent=2)
+    if args.out is None:
+        print(text)
+    else:
+        args.out.write_text(text + "\n", encoding="utf-8")
+        print(f"{d.descriptor_id} -> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
+    rows = setting_rows()
+    if args.markdown:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for var, default, doc in rows:
+            print(f"| `{var}` | {default} | {doc} |")
+    else:
+        shown = settings.model_dump(mode="json")
+        for secret in ("identity_secret", "index_api_tokens"):
+            if shown.get(secret):
+                shown[secret] = "***"
+        print(json.dumps(shown, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The stream workers ``nexuskv up`` runs, each as its own process on the same bus.
+
+A service is a module run with ``python -m``; it reads its settings from the environment
+(``NEXUSKV_BROKER`` is set to the bus ``up`` opened). Every process is bound to ``up``: when
+``up`` stops (or dies), they stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.errors import BrokerError
+from streams.process import ManagedProcess
+
+__all__ = ["Service", "SERVICES", "start_services"]
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    name: str
+    module: str  # run as ``python -m module``
+    doc: str
+
+
+#: Registered stream workers, in start order. Later components add themselves here.
+SERVICES: tuple[Service, ...] = (
+    Service("index-worker", "streams.index_worker",
+            "applies nexuskv.kv-events to the global index, dead-letters bad records, checkpoints per partition"),
+    Service("index-api", "streams.index_api",
+            "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
+    Service("remote-tier", "streams.remote_tier",
+            "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
+    Service("transfer-executor", "streams.transfer_executor",
+            "moves payloads between this worker's tiers on transfer commands; publishes results and timings"),
+    Service("calibration", "streams.calibration_agent",
+            "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
+    Service("planner", "streams.planner_service",
+            "plan requests -> decisions, placement hints and transfer commands, by Effective Gain"),
+    Service("decision-sink", "streams.sink",
+            "decisions, transfer results and observations into the DuckDB decision store (single writer)"),
+)
+
+
+@contextlib.contextmanager
+def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
+                   services: tuple[Service, ...] | None = None,
+                   env: Mapping[str, str] | None = None) -> Iterator[list[Service]]:
+    """Start every service; stop all of them (TERM, then KILL) when the block ends.
+
+    ``env`` adds variables to the services' environment (``up`` passes the remote tier's address).
+    With ``NEXUSKV_METRICS_PORT`` set, each service gets its own port: the base, then +1, +2, ...
+    in the order of :data:`SERVICES`.
+    """
+    chosen = list(SERVICES if services is None else services) if enabled else []
+    env = dict(os.environ, **(env or {}), NEXUSKV_BROKER=str(url))
+    log_dir = Path(settings.data_dir) / "logs"
+    procs: list[tuple[Service, ManagedProcess]] = []
+    try:
+        for i, svc in enumerate(chosen):
+            own = dict(env)
+            if settings.metrics_port:  # one port each: NEXUSKV_METRICS_PORT, +1, +2, ... in start order
+                own["NEXUSKV_METRICS_PORT"] = str(settings.metrics_port + i)
+            proc = ManagedProcess([sys.executable, "-m", svc.module], name=svc.name,
+                                  log_path=log_dir / f"{svc.name}.log", env=own)
+            proc.start()
+            procs.append((svc, proc))
+        time.sleep(0.2 if procs else 0)
+        for svc, proc in procs:
+            if not proc.alive():
+                raise BrokerError(f"service {svc.name} exited at start; log tail:\n{proc.log_tail()}")
+        yield chosen
+    finally:
+        for _svc, proc in reversed(procs):
+            proc.stop()

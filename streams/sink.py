@@ -1,0 +1,164 @@
+"""The decision sink: ``nexuskv.decisions``, ``nexuskv.transfer-results`` and ``nexuskv.observations``
+into DuckDB, in batches, exactly once in effect.
+
+One consumer (group ``nexuskv-decision-sink``) reads the three topics; records are decoded with
+their contracts, buffered, and written when ``batch_records`` are waiting or ``flush_interval_s``
+has passed — then, and only then, are the offsets committed. A crash re-delivers at most the
+unflushed tail, and the store's primary keys (request id, transfer id, topic/partition/offset)
+drop the duplicates. Malformed records go to ``nexuskv.dead-letter`` with the reason.
+
+DuckDB I/O never runs on the event loop (``stack.md`` §1.8: a blocked loop stalls heartbeats):
+flushes run in a worker thread.
+
+Run: ``python -m streams.sink`` (``NEXUSKV_BROKER``, ``NEXUSKV_DECISION_DB``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+
+from analytics.store import DecisionStore
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts.decisions import Decision
+from nexuskv.contracts.observations import ObservationRecord
+from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
+from nexuskv.contracts.transfers import TransferResult
+from nexuskv.errors import NexusKVError
+from streams.process import stop_on_signals
+from streams.telemetry import METRICS, init_service, span_from_record
+
+__all__ = ["DecisionSink", "SinkStats"]
+
+log = logging.getLogger(__name__)
+
+_TOPICS: dict[str, Topic] = {t.name: t for t in (DECISIONS, TRANSFER_RESULTS, OBSERVATIONS)}
+
+
+@dataclass(slots=True)
+class SinkStats:
+    consumed: int = 0
+    written: dict[str, int] = field(default_factory=lambda: {"decisions": 0, "transfer_results": 0,
+                                                             "observations": 0})
+    dead_lettered: int = 0
+    flushes: int = 0
+
+
+class DecisionSink:
+    """Consumes the three topics into one :class:`DecisionStore`."""
+
+    def __init__(self, url: BrokerUrl, store: DecisionStore, *, group_id: str = "nexuskv-decision-sink",
+                 batch_records: int = 5000, flush_interval_s: float = 0.5, snapshot_path: Path | None = None,
+                 snapshot_interval_s: float = 30.0) -> None:
+        self.url = url
+        self.store = store
+        self.group_id = group_id
+        self.batch_records = batch_records
+        self.flush_interval_s = flush_interval_s
+        self.snapshot_path = snapshot_path
+        self.snapshot_interval_s = snapshot_interval_s
+        self.stats = SinkStats()
+        self._decisions: list[Decision] = []
+        self._results: list[TransferResult] = []
+        self._observations: list[tuple[ObservationRecord, str]] = []
+        self._offsets: dict[TopicPartition, int] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from streams.bus import make_consumer, make_producer
+
+        consumer = make_consumer(self.url, *_TOPICS.values(), client_id="decision-sink", group_id=self.group_id)
+        producer = make_producer(self.url, client_id="decision-sink-dlq")
+        await consumer.start()
+        await producer.start()
+        last_flush = last_snapshot = time.monotonic()
+        try:
+            while not stop.is_set():
+                batches = await consumer.getmany(timeout_ms=int(self.flush_interval_s * 1000), max_records=2000)
+                for tp, records in batches.items():
+                    for record in records:
+                        await self._take(record, producer)
+                        self._offsets[tp] = record.offset + 1
+                    high = consumer.highwater(tp)
+                    if high is not None:
+                        METRICS.consumer_lag.labels("decision-sink", tp.topic).set(max(0, high - records[-1].offset - 1))
+                now = time.monotonic()
+                pending = len(self._decisions) + len(self._results) + len(self._observations)
+                if pending >= self.batch_records or (self._offsets and now - last_flush >= self.flush_interval_s):
+                    await self._flush(consumer)
+                    last_flush = now
+                if self.snapshot_path and now - last_snapshot >= self.snapshot_interval_s:
+                    await asyncio.to_thread(self.store.snapshot, self.snapshot_path)
+                    last_snapshot = now
+            await self._flush(consumer)
+            if self.snapshot_path:
+                await asyncio.to_thread(self.store.snapshot, self.snapshot_path)
+        finally:
+            await consumer.stop()
+            await producer.stop()
+
+    async def _take(self, record: ConsumerRecord, producer: AIOKafkaProducer) -> None:
+        from streams.bus import dead_letter_for, decode_record, send_dead_letter
+
+        self.stats.consumed += 1
+        topic = _TOPICS[record.topic]
+        try:
+            with span_from_record("decision-sink", "record." + record.topic.removeprefix("nexuskv."),
+                                  record.headers, {"kafka.partition": record.partition,
+                                                   "kafka.offset": record.offset}):
+                value = decode_record(topic, record)
+        except NexusKVError as exc:
+            METRICS.events_rejected.labels("decision-sink", record.topic).inc()
+            await send_dead_letter(producer, dead_letter_for(record.topic, record, exc, service="decision-sink",
+                                                             now=time.time()))
+            self.stats.dead_lettered += 1
+            return
+        if isinstance(value, Decision):
+            self._decisions.append(value)
+        elif isinstance(value, TransferResult):
+            self._results.append(value)
+        elif isinstance(value, ObservationRecord):
+            self._observations.append((value, f"{record.topic}/{record.partition}/{record.offset}"))
+
+    async def _flush(self, consumer: AIOKafkaConsumer) -> None:
+        if not self._offsets:
+            return
+        decisions, results, observations = self._decisions, self._results, self._observations
+        self._decisions, self._results, self._observations = [], [], []
+        written = await asyncio.to_thread(self.store.write_all, decisions, results, observations)
+        for table, n in written.items():
+            self.stats.written[table] += n
+        await consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in self._offsets.items()})
+        self._offsets.clear()
+        self.stats.flushes += 1
+
+
+async def _serve(settings: Settings, url: BrokerUrl) -> None:
+    db = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
+    store = DecisionStore(db)
+    sink = DecisionSink(url, store, snapshot_path=db.with_name(db.stem + "-snapshot.duckdb"))
+    stop = stop_on_signals()
+    try:
+        await sink.run(stop)
+    finally:
+        store.close()
+        log.info("decision sink stopped: %s", sink.stats)
+
+
+def main() -> int:
+    settings = Settings.from_env()
+    init_service("decision-sink", settings)
+    from streams.broker import open_bus
+
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(_serve(settings, url))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""Which topic and key a record goes to: one place, so every producer keys records alike.
+
+* KvEventBatch -> ``nexuskv.kv-events``, keyed by publisher (one publisher's batches stay in order);
+* ObservationRecord -> ``nexuskv.observations``, keyed by model and profile (prefill), by worker
+  and link (transfer), by worker (load);
+* TransferResult -> ``nexuskv.transfer-results``, keyed by request id.
+"""
+
+from __future__ import annotations
+
+from nexuskv.contracts.base import Contract
+from nexuskv.contracts.kv_events import KvEventBatch
+from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation
+from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TRANSFER_RESULTS, Topic
+from nexuskv.contracts.transfers import TransferResult
+from nexuskv.errors import ContractError
+
+__all__ = ["route"]
+
+
+def route(record: Contract) -> tuple[Topic, str]:
+    """(topic, key) for a record a NexusKV component publishes."""
+    if isinstance(record, KvEventBatch):
+        return KV_EVENTS, record.publisher
+    if isinstance(record, TransferResult):
+        return TRANSFER_RESULTS, record.request_id
+    if isinstance(record, ObservationRecord):
+        obs = record.observation
+        if isinstance(obs, PrefillObservation):
+            return OBSERVATIONS, f"{obs.model}/{obs.profile}"
+        if isinstance(obs, LoadObservation):
+            return OBSERVATIONS, obs.worker
+        return OBSERVATIONS, f"{obs.worker}/{obs.link}"
+    raise ContractError(f"no topic carries {type(record).__name__}")
