@@ -8,8 +8,9 @@ same streams). The engine is vLLM's multiprocess engine (engine core and worker 
 their own) unless the environment sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (everything in this
 process). Commands:
 
-* ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8, "logprobs": 1}`` — greedy;
-  per prompt its output token ids, the chosen tokens' logprobs and vLLM's ``num_cached_tokens``;
+* ``{"op": "generate", "prompts": [[token ids], ...], "max_tokens": 8, "cache_salt": null}`` —
+  greedy; per prompt its output token ids, the chosen tokens' logprobs and vLLM's
+  ``num_cached_tokens``;
 * ``{"op": "reset"}`` — ``LLM.reset_prefix_cache()``;
 * ``{"op": "metrics"}`` — vLLM's prefix-cache counters (local and external queries and hits);
 * ``{"op": "cached_blocks"}`` — the block hashes in vLLM's prefix cache as its KV events name them
@@ -60,7 +61,8 @@ def _generate(llm, cmd: dict) -> dict:
 
     sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), logprobs=cmd.get("logprobs", 1),
                         ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(p)} for p in cmd["prompts"]]
+    salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
+    prompts = [{"prompt_token_ids": list(p), **salt} for p in cmd["prompts"]]
     outs = llm.generate(prompts, sp, use_tqdm=False)
     results = []
     for o in outs:

@@ -112,8 +112,8 @@ class Engine:
         self._proc.stdin.flush()
         return self._wait(timeout_s, op)
 
-    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8) -> list[dict]:
-        return self.call("generate", prompts=prompts, max_tokens=max_tokens)["outputs"]
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8, cache_salt: str | None = None) -> list[dict]:
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens, cache_salt=cache_salt)["outputs"]
 
     def log_tail(self, lines: int = 60) -> str:
         try:

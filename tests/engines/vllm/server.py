@@ -95,11 +95,13 @@ class Server:
             raise EngineError(f"POST {path}: HTTP {exc.code}: {exc.read()[:2000]!r}\n{self.log_tail()}") from None
         return json.loads(raw) if raw.strip() else None
 
-    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8) -> list[dict]:
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 8, cache_salt: str | None = None) -> list[dict]:
         out = []
         for prompt in prompts:
             body = {"model": self.argv[self.argv.index("--model") + 1], "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0.0, "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}
+            if cache_salt:
+                body["cache_salt"] = cache_salt
             answer = self._post("/v1/completions", body)
             choice = answer["choices"][0]
             lp = choice["logprobs"]

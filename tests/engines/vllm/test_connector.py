@@ -8,7 +8,8 @@ One story per engine kind, with a tiny random Llama and 32-token blocks:
    served with those blocks loaded from the disk tier;
 3. a fresh engine process (the same worker: a restart) serves a warm-up, then A with A's blocks
    loaded — saved by the other process, re-announced by the tier's publisher, not written again;
-4. tier files deleted behind NexusKV's back: the next A loads only what is still there, vLLM
+4. A with a ``cache_salt`` is neither loaded nor saved (its block keys need the salt);
+5. tier files deleted behind NexusKV's back: the next A loads only what is still there, vLLM
    recomputes the rest, and the deleted blocks are saved again.
 
 Every output — greedy tokens and their logprobs — equals vLLM's without the connector with the
@@ -171,7 +172,14 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
         _same_as_reference(a, reference, A)
         assert [os.stat(f).st_mtime_ns for f in files] == saved_at  # loaded, not written again
 
-        # 4: files deleted behind NexusKV's back: only what is left is loaded, the rest recomputes.
+        # A request with a cache salt keys its blocks with it: NexusKV neither loads nor saves it.
+        written = sorted(p.name for p in root.rglob("*.nkv"))
+        (salted,) = fresh.generate([A], cache_salt="tenant-secret")
+        assert salted["num_cached_tokens"] == 0  # vLLM's own cache does not match it either
+        _same_as_reference(salted, reference, A)
+        assert sorted(p.name for p in root.rglob("*.nkv")) == written
+
+        # 5: files deleted behind NexusKV's back: only what is left is loaded, the rest recomputes.
         for f in files[40:]:
             os.unlink(f)
         assert fresh.call("reset")["reset"]

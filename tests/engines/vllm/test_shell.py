@@ -7,7 +7,9 @@
   '_build_connector_class.<locals>.NexusKVConnectorMetadata'``; the engine tests run the real
   multiprocess engine);
 * the connector's configuration from a real ``VllmConfig`` of the tiny model is the model's own
-  descriptor, the one ``nexuskv descriptor`` writes from its ``config.json``.
+  descriptor, the one ``nexuskv descriptor`` writes from its ``config.json``;
+* requests with a LoRA adapter, multimodal inputs, a cache salt or prompt embeddings are not the
+  connector's (their block keys need extra keys), and tensor parallel engines are refused.
 
 One other process does both of the last two (each process that imports vLLM costs seconds).
 """
@@ -86,3 +88,30 @@ def test_the_configuration_from_vllms_own_config_is_the_models_descriptor(other_
                          capture_output=True, text=True, cwd=ROOT, env=cpu_env(multiprocess=False), check=True)
     assert other_process["id"] == json.loads(cli.stdout)["descriptor_id"]
     assert other_process["profile"] == "vllm-cpu" and other_process["layers"] == 2 and other_process["chunk"] > 0
+
+
+def test_requests_whose_blocks_need_extra_keys_are_not_the_connectors():
+    from types import SimpleNamespace
+
+    from connectors.vllm.shell import plain
+
+    base = dict(lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None)
+    assert plain(SimpleNamespace(**base))
+    for field, value in (("lora_request", object()), ("mm_features", [object()]), ("cache_salt", "s"),
+                         ("prompt_embeds", object())):
+        assert not plain(SimpleNamespace(**{**base, field: value})), field
+
+
+def test_tensor_parallel_engines_are_refused_at_start():
+    from types import SimpleNamespace
+
+    from connectors.vllm.shell import config_of
+    from nexuskv.errors import ConfigError
+
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+                                  kv_events_config=None, cache_config=SimpleNamespace(block_size=32),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=2, data_parallel_rank=0),
+                                  model_config=SimpleNamespace(model="m"))
+    with pytest.raises(ConfigError) as err:
+        config_of(vllm_config)
+    assert err.value.field == "tensor_parallel_size"
