@@ -9,8 +9,8 @@ One story per engine kind, with a tiny random Llama and 32-token blocks:
 3. a fresh engine process (the same worker: a restart) serves a warm-up, then A with A's blocks
    loaded — saved by the other process, re-announced by the tier's publisher, not written again;
 4. A with a ``cache_salt`` is neither loaded nor saved (its block keys need the salt);
-5. tier files deleted behind NexusKV's back: the next A loads only what is still there, vLLM
-   recomputes the rest, and the deleted blocks are saved again.
+5. tier files deleted behind NexusKV's back: the next A loads only what is still there (80 blocks),
+   vLLM recomputes the rest, and the deleted blocks are saved again.
 
 Every output — greedy tokens and their logprobs — equals vLLM's without the connector with the
 same number of prompt tokens cached (``reference``; see the conftest for why not fewer);
@@ -57,6 +57,7 @@ def _words(seed: int, n: int) -> list[int]:
 A = _words(1, 3000)  # 93 full blocks loadable (the last token is always computed)
 B = A[:93 * BS] + _words(2, 20)  # shares all 93 of them
 WARM_1, WARM_2 = _words(3, 1024), _words(4, 1056)
+KEPT = 80  # of A's 93 saved blocks, after the others' files are deleted
 
 
 def _connector(worker: str, tenant: str) -> dict:
@@ -81,6 +82,16 @@ def _on_disk(index, descriptor, worker: str, keys: list[int]) -> int:
     found = index.lookup(IdentityScope.of(descriptor), keys)
     return max((m.prefix_blocks for m in found.matches if m.certain and m.location.tier is Tier.DISK
                 and m.location.worker == tier_publisher_name(worker, Tier.DISK)), default=0)
+
+
+def _last_decision(url, tenant: str, prompt_tokens: int) -> str:
+    """The latest decision for a prompt of that length, as formula and numbers (for a failure message)."""
+    mine = [d for d in read_topic(url, DECISIONS, idle_ms=500) if d.tenant_namespace == tenant
+            and d.prompt_tokens == prompt_tokens]
+    if not mine:
+        return "no decision record"
+    d = max(mine, key=lambda d: (d.decided_at, d.revision))
+    return f"{d.action.value}: {d.reason} [cost model {d.cost_model_version}]"
 
 
 def _same_as_reference(out: dict, reference, prompt: list[int]) -> None:
@@ -146,7 +157,7 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
     assert first.call("reset")["reset"]
     before = first.call("metrics")["external_prefix_cache_hits"]
     (b,) = first.generate([B])
-    assert b["num_cached_tokens"] == 93 * BS  # all from NexusKV: the GPU cache was reset
+    assert b["num_cached_tokens"] == 93 * BS, _last_decision(kv_topics, tenant, len(B))  # the GPU cache was reset
     assert first.call("metrics")["external_prefix_cache_hits"] - before == 93 * BS
     _same_as_reference(b, reference, B)
     first.close()
@@ -167,7 +178,7 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
         (warm,) = fresh.generate([WARM_2])
         _same_as_reference(warm, reference, WARM_2)
         (a,) = fresh.generate([A])
-        assert a["num_cached_tokens"] == 93 * BS
+        assert a["num_cached_tokens"] == 93 * BS, _last_decision(kv_topics, tenant, len(A))
         assert fresh.call("metrics")["external_prefix_cache_hits"] == 93 * BS
         _same_as_reference(a, reference, A)
         assert [os.stat(f).st_mtime_ns for f in files] == saved_at  # loaded, not written again
@@ -180,15 +191,15 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
         assert sorted(p.name for p in root.rglob("*.nkv")) == written
 
         # 5: files deleted behind NexusKV's back: only what is left is loaded, the rest recomputes.
-        for f in files[40:]:
+        for f in files[KEPT:]:
             os.unlink(f)
         assert fresh.call("reset")["reset"]
         before = fresh.call("metrics")["external_prefix_cache_hits"]
         (again,) = fresh.generate([A])
-        assert again["num_cached_tokens"] == 40 * BS
-        assert fresh.call("metrics")["external_prefix_cache_hits"] - before == 40 * BS
+        assert again["num_cached_tokens"] == KEPT * BS, _last_decision(kv_topics, tenant, len(A))
+        assert fresh.call("metrics")["external_prefix_cache_hits"] - before == KEPT * BS
         _same_as_reference(again, reference, A)
-        wait_for(lambda: all(os.path.exists(f) for f in files[40:]), message="the deleted blocks were not saved again")
+        wait_for(lambda: all(os.path.exists(f) for f in files[KEPT:]), message="the deleted blocks were not saved again")
     finally:
         fresh.close()
 
@@ -197,7 +208,7 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
                         and d.decided_at >= started), key=lambda d: (d.decided_at, d.revision))
     loads = [d for d in decisions if d.action.value == "transfer" and d.revision == 0]
     assert [(d.prompt_tokens, d.reused_tokens) for d in loads] == [(len(B), 93 * BS), (len(A), 93 * BS),
-                                                                   (len(A), 40 * BS)]
+                                                                   (len(A), KEPT * BS)]
     for d in loads:
         assert d.source.tier is Tier.DISK and d.source.worker == worker
         assert "+cold-start(vllm-cpu: " in d.cost_model_version and f"compute {tiny_model}: FLOP prior" \
