@@ -9,12 +9,12 @@ unit run without vLLM, set ``NEXUSKV_SKIP_VLLM=1``: then they are skipped, and s
   (:func:`streams.app.tiny_model.build_tiny_llama`), built once per session.
 * ``kv_topics`` — NexusKV's topics on the session's Apache Kafka.
 * ``reference`` — a vLLM engine *without* the connector (in-process engine), module-scoped:
-  ``reference(prompt, cached)`` is its greedy output when ``cached`` tokens of the prompt come
-  from vLLM's own prefix cache (0: computed in full). Outputs with NexusKV are compared with the
-  reference for the same number of cached tokens: on CPU, vLLM's own prefix-cached prefill and its
-  full prefill can differ in the last digits of a logprob (different GEMM shapes), so "identical to
-  a run without the connector" is checked against the run without the connector that reuses as
-  much, and is then exact.
+  ``reference(prompt, cached, computed_as=...)`` is its greedy output when ``cached`` tokens of the
+  prompt come from vLLM's own prefix cache, computed by a prefill like ``computed_as`` (0: the
+  prompt computed in full). On CPU the last bits of a KV value, hence of a logprob, depend on the
+  shape of the prefill that computed it (vLLM's own prefix caching is no more exact than that), so
+  "identical to a run without the connector" is checked against the run without the connector
+  that reuses as much KV, computed the same way — and then it is exact, bit for bit.
 * ``engine_factory`` — starts :class:`~tests.engines.vllm.engines.Engine` processes and stops them
   at the end of the test.
 """
@@ -90,18 +90,30 @@ def engine_factory(tmp_path) -> Iterator[Callable[..., Engine]]:
 
 
 class Reference:
-    """Greedy outputs of an engine without the connector, by (prompt, tokens from its own prefix cache)."""
+    """Greedy outputs of an engine without the connector, with ``cached`` prompt tokens in its own
+    prefix cache computed exactly as the engine under test computed the KV it reused.
+
+    ``computed_as`` is the prompt whose prefill computed that KV (default: the prompt itself). The
+    reference computes it the same way — a prefill of the same length whose first ``cached``
+    tokens are the same and whose rest differs — then serves ``prompt`` on top of it: the same
+    kernels over the same shapes, so the outputs must be equal to the last bit. (A prefill of only
+    the ``cached`` tokens would give KV that can differ in the last bits: the GEMMs' shapes differ.)
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._memo: dict[tuple[tuple[int, ...], int], dict] = {}
+        self._memo: dict[tuple, dict] = {}
 
-    def __call__(self, prompt: list[int], cached: int = 0, *, max_tokens: int = 8) -> dict:
-        key = (tuple(prompt), cached)
+    def __call__(self, prompt: list[int], cached: int = 0, *, computed_as: list[int] | None = None,
+                 max_tokens: int = 8) -> dict:
+        source = list(computed_as if computed_as is not None else prompt)
+        key = (tuple(prompt), cached, tuple(source) if cached else ())
         if key not in self._memo:
             assert self.engine.call("reset")["reset"]
             if cached:
-                self.engine.generate([prompt[:cached]], max_tokens=1)  # its blocks are now in vLLM's own cache
+                filler = next(t for t in range(4, 1024) if t != source[cached]) if cached < len(source) else 4
+                primer = source[:cached] + [filler] * (len(source) - cached)
+                self.engine.generate([primer], max_tokens=1)  # its first blocks are now in vLLM's own cache
             out = self.engine.generate([prompt], max_tokens=max_tokens)[0]
             assert out["num_cached_tokens"] == cached, (out["num_cached_tokens"], cached)
             self._memo[key] = out
