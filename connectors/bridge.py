@@ -10,9 +10,11 @@ For each engine batch received in order (:mod:`connectors.zmq_events`), the brid
 3. publishes it keyed by publisher, so one publisher's batches stay ordered on one partition.
 
 Clears concern the engine's own memory only. vLLM's ``AllBlocksCleared`` (a prefix-cache reset)
-empties its GPU cache, so it becomes ``cleared`` of the GPU tier; SGLang's empties its device and
-host caches (its storage backend keeps its pages), so it becomes ``cleared`` of those two tiers
-(:data:`ENGINE_CLEARS`). Whatever else the publisher announced stays.
+empties its GPU cache and nothing else (vLLM's own CPU offload tier keeps its blocks), so it
+becomes ``cleared`` of the GPU tier, and whatever else the publisher announced stays. SGLang's
+empties its radix caches, device and host, which are everything its engine publisher announces
+(its storage tier's pages are the HiCache backend's, a publisher of their own), so it stays a
+clear of the publisher (:data:`ENGINE_CLEARS`).
 
 Restarts: a lower sequence number means the engine restarted. The bridge gives it a new
 incarnation (a nanosecond timestamp, so incarnations grow) and starts the new incarnation with
@@ -83,8 +85,8 @@ DEFAULT_MEDIUMS: dict[str, Tier] = {
 }
 
 
-#: The tiers an engine's ``AllBlocksCleared`` empties: its own memory, never what it offloaded further.
-ENGINE_CLEARS: dict[str, tuple[Tier, ...]] = {"vllm": (Tier.GPU,), "sglang": (Tier.GPU, Tier.HOST)}
+#: The tiers an engine's ``AllBlocksCleared`` empties (None: all of the publisher's).
+ENGINE_CLEARS: dict[str, tuple[Tier | None, ...]] = {"vllm": (Tier.GPU,), "sglang": (None,)}
 
 
 def tier_of(medium: str | None, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS) -> Tier:
@@ -109,7 +111,7 @@ def publisher_name(engine: Engine, topic: str, dp_rank: int | None, fallback: st
 
 def translate(batch: EngineBatch, *, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
               default_block_size: int, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS,
-              cleared_first: bool = False, clears: tuple[Tier, ...] = ENGINE_CLEARS["vllm"]) -> KvEventBatch:
+              cleared_first: bool = False, clears: tuple[Tier | None, ...] = ENGINE_CLEARS["vllm"]) -> KvEventBatch:
     """One decoded engine batch as a NexusKV batch; ContractError when an event cannot be keyed.
 
     ``cleared_first`` starts it with a clear of every tier (a new incarnation); the engine's own

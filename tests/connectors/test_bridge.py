@@ -55,7 +55,8 @@ def test_translate_maps_every_event():
 
 
 def test_an_engines_clear_concerns_its_own_memory_only():
-    """A prefix-cache reset must not delete what was saved to disk or a remote tier (DESIGN invariants)."""
+    """vLLM's prefix-cache reset leaves every tier but the GPU's (DESIGN invariants); SGLang's clears
+    its publisher, whose facts are its radix caches (its storage pages have their own publisher)."""
     from nexuskv.index import GlobalIndex
     from nexuskv.identity import IdentityScope, block_keys
     from tests.factories import descriptor
@@ -68,7 +69,7 @@ def test_an_engines_clear_concerns_its_own_memory_only():
         EngineStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(), block_size=4, medium="STORAGE"),
         EngineStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(), block_size=4, medium="CPU"),
     ))
-    for engine, gone in (("vllm", {Tier.GPU}), ("sglang", {Tier.GPU, Tier.HOST})):
+    for engine, gone in (("vllm", {Tier.GPU}), ("sglang", {Tier.GPU, Tier.HOST, Tier.DISK})):
         index = GlobalIndex()
         index.apply(translate(stored, publisher="p", incarnation=1, seq=0, identity=identity, default_block_size=4))
         cleared = translate(EngineBatch(ts=1, events=(EngineCleared(),)), publisher="p", incarnation=1, seq=1,
