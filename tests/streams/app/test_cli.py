@@ -121,3 +121,25 @@ def test_up_notices_a_dead_service_stops_the_rest_and_exits_non_zero(kafka_url, 
     while time.monotonic() < deadline and not all(_gone(c) for c in children):
         time.sleep(0.1)
     assert all(_gone(c) for c in children), "a service outlived nexuskv up"
+
+
+def test_descriptor_from_a_models_config_json(tmp_path):
+    import json
+
+    from nexuskv.descriptor import StateDescriptor
+    from nexuskv.models import known_model
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
+    done = _run(["descriptor", str(tmp_path), "--model", "meta-llama/Llama-3.1-8B", "--block-size", "16"])
+    assert done.returncode == 0, done.stderr
+    d = StateDescriptor.model_validate_json(done.stdout)
+    assert d.descriptor_id == known_model("meta-llama/Llama-3.1-8B").descriptor_id
+    out = tmp_path / "d.json"
+    done = _run(["descriptor", str(tmp_path / "config.json"), "--model", "m", "--block-size", "32", "--tenant", "acme",
+                 "--layout", "paged_hn_kvd", "--out", str(out)])
+    assert done.returncode == 0 and StateDescriptor.model_validate_json(out.read_text()).tenant_namespace == "acme"
+    bad = _run(["descriptor", str(tmp_path), "--model", "m", "--block-size", "16", "--layout", "nope"])
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "nexuskv: error: layout: 'nope' is not one of paged_nhd, paged_hnd, paged_hn_kvd, paged_latent"]
