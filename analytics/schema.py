@@ -127,7 +127,7 @@ TABLES: dict[str, str] = {
             engine VARCHAR NOT NULL,
             arrival_s DOUBLE NOT NULL,             -- planned arrival, seconds after the run's first request
             sent_at DOUBLE NOT NULL,               -- epoch seconds
-            ttft_s DOUBLE,                         -- measured at the client: request sent -> first token
+            ttft_s DOUBLE,                         -- measured at the client: arrival -> routed -> first token
             e2e_s DOUBLE,
             prompt_tokens BIGINT NOT NULL,
             cached_tokens BIGINT,                  -- prompt tokens the engine did not compute
@@ -135,6 +135,7 @@ TABLES: dict[str, str] = {
             output_digest VARCHAR,                 -- of the generated token ids (greedy: equal across runs)
             routing_s DOUBLE,                      -- time to decide where it goes
             decision_id VARCHAR,                   -- the planner's request id in decisions (nexuskv run)
+            engine_request_id VARCHAR,             -- the engine's id of the request (its connector's decisions)
             error VARCHAR,
             PRIMARY KEY (replay_id, run, request_id)
         )""",

@@ -81,6 +81,7 @@ from nexuskv.models import KNOWN_MODELS, known_model
 from nexuskv.planner import Plan, PlanQuery, explain, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
+from nexuskv.priors import with_assumed_hardware
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
@@ -190,6 +191,7 @@ class PlannerCore:
         self._seen_capacity = seen_capacity
         self.planned = 0
         self.duplicates = 0
+        self._filled: dict[tuple[int, frozenset[str]], tuple[CostModel, CostModel]] = {}
 
     def query_of(self, request: PlanRequest) -> PlanQuery:
         """The planner's query; raises ContractError when the request cannot be planned."""
@@ -216,10 +218,22 @@ class PlannerCore:
                                  "nexuskv.index_lag_events": lookup.lag_events,
                                  "nexuskv.index_lag_ms": lookup.lag_ms})
         policy = self.policy()
-        p = plan(query, lookup, self.model(), policy, now=now,
+        p = plan(query, lookup, self._model_for(query), policy, now=now,
                  headroom=self.scheduler.headroom(query.scope.tenant_namespace))
         self.scheduler.track(p, now=now)
         return p
+
+    def _model_for(self, query: PlanQuery) -> CostModel:
+        """The cost model with assumed constants for hardware profiles only the workers know."""
+        model = self.model()
+        profiles = frozenset(c.profile for c in query.candidates if c.profile)
+        key = (id(model), profiles)
+        hit = self._filled.get(key)
+        if hit is None or hit[0] is not model:
+            if len(self._filled) > 64:
+                self._filled.clear()
+            hit = self._filled[key] = (model, with_assumed_hardware(model, profiles))
+        return hit[1]
 
     def on_request(self, raw: bytes, *, now: float) -> list[Outgoing]:
         """Records for one plan request ([] for a duplicate); raises NexusKVError for bad input."""

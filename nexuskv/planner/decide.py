@@ -144,8 +144,10 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
                                   rejected=f"no cost profile for {d.model} on {profile}: cannot be estimated"))
             continue
         workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes))
-    if not workers:
-        return Plan(query, tuple(options), options[0], None, 0.0, now, lookup.lag_events, lookup.lag_ms,
+    if not workers:  # nothing can be priced: recompute where the least work waits (a load balancer's choice)
+        least = min(query.candidates, key=lambda c: (c.queued_prefill_tokens, c.queued_prefill_requests, c.worker))
+        chosen = next(o for o in options if o.worker == least.worker)
+        return Plan(query, tuple(options), chosen, None, 0.0, now, lookup.lag_events, lookup.lag_ms,
                     policy.tag, model.version, settings.max_alternatives, min_gain)
 
     base = Baseline.of(min(workers, key=lambda w: (w.recompute_s, w.load.worker)), n, nn)

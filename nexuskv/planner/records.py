@@ -56,7 +56,8 @@ def _alternative(opt: Option, chosen: Option, t_base: float, bs: int, group: int
 def _reason(p: Plan) -> str:
     chosen, t_base, min_gain = p.chosen, p.t_compute_s, p.min_gain_s
     if p.baseline_worker is None:
-        return f"recompute on {chosen.worker}: {chosen.rejected}; reuse cannot be shown to pay"
+        return (f"recompute on {chosen.worker} (the least loaded candidate): {chosen.rejected}; reuse cannot be "
+                "shown to pay")
     if chosen.action is Action.RECOMPUTE:
         costed = [o for o in p.options if o.action is not Action.RECOMPUTE and o.eg_s is not None]
         if not costed:

@@ -10,7 +10,7 @@ request is its baseline TTFT minus its NexusKV TTFT (``replay_comparison``); the
 (:mod:`~streams.app.replay.report`) prints both runs' figures and plots them.
 
 The engines are vLLM's CPU build serving a random Llama written locally
-(:mod:`~streams.app.replay.model`) unless ``--model DIR`` names one. ``--engine reference``
+(:mod:`streams.app.tiny_model`) unless ``--model DIR`` names one. ``--engine reference``
 replays on NexusKV's reference engine instead (:mod:`streams.app.replay_reference`: the attention
 families vLLM's CPU build cannot run, MLA and recurrent), a single run without a baseline.
 """

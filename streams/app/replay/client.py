@@ -28,6 +28,7 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    engine_request_id: str | None = None  # the id the engine gave the request (the ``id`` of its chunks)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens: tuple[int, ...], max_tokens: int,
@@ -41,6 +42,7 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens:
     ttft = None
     output: list[int] = []
     usage: dict = {}
+    engine_id: str | None = None
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -56,6 +58,7 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens:
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
+                engine_id = engine_id or chunk.get("id")
                 for choice in chunk.get("choices") or ():
                     ids = choice.get("token_ids") or ()
                     if ids and ttft is None:
@@ -72,4 +75,4 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens:
     details = usage.get("prompt_tokens_details") or {}
     return Completion(sent_at, ttft if ttft is not None else e2e, e2e, tuple(output),
                       int(usage.get("prompt_tokens", len(tokens))), int(details.get("cached_tokens") or 0),
-                      None if ttft is not None else "no token streamed")
+                      None if ttft is not None else "no token streamed", engine_id)

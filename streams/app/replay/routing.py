@@ -131,15 +131,16 @@ class PlannerRouter:
         d = self.descriptor
         keys = self._keyer.keys(list(tokens))  # type: ignore[union-attr]
         candidates = tuple(loads.worker_load(i, w, self.profile, len(tokens)) for i, w in enumerate(self.workers))
-        request = PlanRequest(request_id=rid, scope=IdentityScope.of(d), block_size=d.block_size,
+        pid = f"{self.prefix}/{rid}"
+        request = PlanRequest(request_id=pid, scope=IdentityScope.of(d), block_size=d.block_size,
                               prompt_tokens=len(tokens), keys=tuple(keys), arrival_at=arrival_at,
                               candidates=candidates, workload="replay", descriptor=d)
-        await send(self._producer, PLAN_REQUESTS, rid, request)
+        await send(self._producer, PLAN_REQUESTS, pid, request)
         deadline = time.monotonic() + self.timeout_s
-        while (decision := self._decisions.get(rid)) is None:
+        while (decision := self._decisions.get(pid)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise NexusKVError(f"replay: no decision for {rid} within {self.timeout_s:.0f}s "
+                raise NexusKVError(f"replay: no decision for {pid} within {self.timeout_s:.0f}s "
                                    "(is the planner running?)")
             self._changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -12,7 +12,9 @@
 Each run starts its engines fresh (nothing cached), sends every engine one short unrelated
 prompt (so the engines' first-request costs are not in the figures), then sends the stream:
 request ``i`` leaves at ``t0 + arrival_s``, whatever the state of the others. Each request is timed
-at the client (:mod:`streams.app.replay.client`) and stored in ``replay_requests`` with its run.
+at the client (:mod:`streams.app.replay.client`), from its arrival at the router: its TTFT is the
+router's decision time plus the engine's time to first token. It is stored in ``replay_requests``
+with its run.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from streams.app.replay.engines import CONNECTOR_CLASS, CONNECTOR_MODULE, Engine
 from streams.app.replay.routing import LeastOutstanding, Loads, PlannerRouter, Routed
 from streams.app.replay.workload import ReplayRequest, Workload
 
-__all__ = ["RunSetup", "RunResult", "serve_stream", "request_row", "run_row", "start_engines"]
+__all__ = ["SERVED_NAME", "RunSetup", "RunResult", "serve_stream", "request_row", "run_row", "start_engines"]
 
-WARM_PROMPT = tuple(range(3, 35))  # one block of token ids no trace prompt starts with
+SERVED_NAME = "nexuskv-replay"  # the model's name at the engines' OpenAI endpoint
+WARM_PROMPT = tuple(range(4, 36))  # one block of token ids no trace prompt starts with
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,7 @@ def start_engines(setup: RunSetup, workers: Sequence[str], ports: Sequence[int],
 
 async def _warm(session: aiohttp.ClientSession, engines: Sequence[VllmEngine], served_name: str) -> None:
     for k, e in enumerate(engines):
-        prompt = tuple((t + 97 * k) % 1000 + 3 for t in WARM_PROMPT)
+        prompt = tuple((t + 97 * k) % 1000 + 4 for t in WARM_PROMPT)
         done = await complete(session, e.url, served_name, prompt, 2, request_id=f"warm-{k}")
         if done.error:
             raise RuntimeError(f"engine {e.name} failed its warm-up request: {done.error}")
@@ -142,14 +145,15 @@ def _digest(ids: Sequence[int]) -> str:
 
 def request_row(replay_id: str, run: str, s: Served, workers: Sequence[str]) -> dict:
     c = s.completion
+    routing = s.routed.routing_s  # the user waits for the router's choice too
     return {"replay_id": replay_id, "run": run, "request_id": s.request.request_id, "seq": s.request.seq,
             "warmup": s.request.warmup, "engine": workers[s.engine], "arrival_s": s.request.arrival_s,
-            "sent_at": c.sent_at, "ttft_s": None if c.error else c.ttft_s, "e2e_s": c.e2e_s,
+            "sent_at": c.sent_at, "ttft_s": None if c.error else routing + c.ttft_s, "e2e_s": routing + c.e2e_s,
             "prompt_tokens": len(s.request.tokens), "cached_tokens": c.cached_tokens,
             "output_tokens": len(c.output_ids), "output_digest": _digest(c.output_ids),
             "routing_s": s.routed.routing_s,
             "decision_id": s.routed.decision.request_id if s.routed.decision is not None else None,
-            "error": c.error}
+            "engine_request_id": c.engine_request_id, "error": c.error}
 
 
 def run_row(replay_id: str, result: RunResult, *, engine: str, engines: int, model: str, router: str,

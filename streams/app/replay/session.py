@@ -15,16 +15,22 @@ from analytics.store import DecisionStore
 from nexuskv.config import Settings
 from nexuskv.errors import ConfigError
 from streams.app.replay.engines import vllm_available
-from streams.app.replay.model import SIZES, random_llama
 from streams.app.replay.routing import LeastOutstanding
-from streams.app.replay.runs import RunResult, RunSetup, request_row, run_row, serve_stream, start_engines
+from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, request_row, run_row, serve_stream, start_engines
 from streams.app.replay.workload import Workload, WorkloadShape, build_workload
+from streams.app.tiny_model import TinyLlamaSpec, build_tiny_llama
 from streams.app.traces import load_trace
 from streams.process import free_port
 
 __all__ = ["ReplayConfig", "ReplayOutcome", "run_replay", "default_replay_dir"]
 
-SERVED_NAME = "nexuskv-replay"
+#: Random Llamas the replay builds when no model is given: ``replay`` is sized so that prefill dominates
+#: TTFT on a two-core machine (about a second for a 2K-token prompt on one core); ``tiny`` is for tests.
+SIZES: dict[str, TinyLlamaSpec] = {
+    "tiny": TinyLlamaSpec(max_positions=8192),
+    "replay": TinyLlamaSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+                            max_positions=8192),
+}
 RUNS = ("baseline", "nexuskv")
 
 
@@ -85,7 +91,8 @@ def _model_dir(config: ReplayConfig) -> Path:
             raise ConfigError("model", f"no Hugging Face config.json in {config.model_dir}")
         return config.model_dir
     cache = config.model_cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nexuskv" / "models"
-    return random_llama(cache, SIZES[config.model_size])
+    spec = SIZES[config.model_size]
+    return build_tiny_llama(cache / f"llama-random-{spec.digest()}", spec)
 
 
 def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progress) -> tuple[RunResult, list[str]]:

@@ -3,7 +3,7 @@
 A Mooncake trace carries no text: each 512-token hash id stands for a block *and its whole
 prefix*, so equal ids are a reusable prefix. A replay turns each hash id into
 ``hash_block_tokens`` deterministic token ids (a generator seeded with the id), so prefix
-sharing is kept exactly while prompts shrink by ``512 / hash_block_tokens``; ids 0-2 are left out
+sharing is kept exactly while prompts shrink by ``512 / hash_block_tokens``; ids 0-3 are left out
 of the vocabulary (special tokens of the random models). Prompts are capped at
 ``max_prompt_tokens`` and every request generates ``max_output_tokens`` tokens (the trace's
 output lengths, hundreds of tokens, would make CPU decode dominate what is measured).
@@ -29,7 +29,7 @@ from streams.app.traces import HASH_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["ReplayRequest", "Workload", "WorkloadShape", "build_workload"]
 
-FIRST_TOKEN_ID = 3  # 0, 1, 2: unk/pad, bos, eos of the random models
+FIRST_TOKEN_ID = 4  # 0-3: the random models' special tokens (streams.app.tiny_model.SPECIAL_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
