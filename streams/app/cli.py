@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--in-order", action="store_true",
                         help="the trace's first requests as they come, instead of its multi-turn conversations")
     replay.add_argument("--workers", type=int, default=None, help="engines (default 2 vLLM, 4 reference)")
-    replay.add_argument("--time-scale", type=float, default=10.0, help="trace time divided by this")
+    replay.add_argument("--time-scale", type=float, default=None,
+                        help="trace time divided by this (default 6 for vLLM, 10 for the reference engine)")
     replay.add_argument("--warmup", type=int, default=12, help="first requests served but not counted (calibration)")
     replay.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="a Hugging Face model folder for vLLM to serve (default: a random Llama built locally)")
@@ -106,8 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the random model's shape when --model is not given")
     replay.add_argument("--engine-blocks", type=int, default=160,
                         help="each vLLM engine's own KV cache, in blocks of 32 tokens")
-    replay.add_argument("--hash-block-tokens", type=int, default=64, help="tokens per 512-token trace block")
-    replay.add_argument("--max-prompt-tokens", type=int, default=4096)
+    replay.add_argument("--hash-block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    replay.add_argument("--max-prompt-tokens", type=int, default=2048)
     replay.add_argument("--max-output-tokens", type=int, default=8)
     replay.add_argument("--runs", default="baseline,nexuskv", help="which runs, comma separated")
     replay.add_argument("--engine", default="vllm", choices=["vllm", "reference"],
@@ -249,7 +250,7 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     shape = WorkloadShape(max_requests=args.requests or 48, conversations=args.conversations,
                           follow_ups=not args.in_order, hash_block_tokens=args.hash_block_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                          time_scale=args.time_scale, warmup=args.warmup)
+                          time_scale=args.time_scale or 6.0, warmup=args.warmup)
     config = ReplayConfig(trace=args.trace, out=out, shape=shape, workers=args.workers or 2, model_dir=args.model,
                           model_size=args.model_size, engine_blocks=args.engine_blocks,
                           runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
@@ -272,7 +273,8 @@ def _replay_reference(args: argparse.Namespace, settings: Settings, out: Path) -
 
     local = settings.model_copy(update={"data_dir": out})
     config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests or 200,
-                          workers=args.workers or 4, time_scale=args.time_scale, conversations=args.conversations,
+                          workers=args.workers or 4, time_scale=args.time_scale or 10.0,
+                          conversations=args.conversations,
                           gpu_pages=args.gpu_pages, variant=args.reference_variant)
     remote = local_address()
     services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)

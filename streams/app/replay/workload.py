@@ -52,10 +52,10 @@ class WorkloadShape:
     max_requests: int = 48
     conversations: int = 0  # > 0: the first N multi-turn conversations (every turn)
     follow_ups: bool = True  # False: the trace's first requests, as they come
-    hash_block_tokens: int = 64
-    max_prompt_tokens: int = 4096
+    hash_block_tokens: int = 32
+    max_prompt_tokens: int = 2048
     max_output_tokens: int = 8
-    time_scale: float = 10.0
+    time_scale: float = 6.0
     max_gap_s: float = 4.0
     warmup: int = 12
     vocab: int = 1024
