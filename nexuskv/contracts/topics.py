@@ -54,6 +54,7 @@ class Topic:
     encoding: Literal["msgpack", "json"]
     doc: str
     config: dict[str, str] = field(default_factory=dict)  # topic-level Kafka configs
+    versions: tuple[int, ...] = (1,)  # payload schema versions this build reads
 
 
 KV_EVENTS = Topic(
@@ -71,7 +72,7 @@ PLAN_REQUESTS = Topic(
 DECISIONS = Topic("nexuskv.decisions", "request id", Decision, "json", "decision records")
 PLACEMENT = Topic(
     "nexuskv.placement", "tenant namespace and prefix root", PlacementHint, "json",
-    "routing and placement hints for routers",
+    "routing and placement hints for routers, tier managers and executors", versions=(1, 2),
 )
 TRANSFERS = Topic(
     "nexuskv.transfers", "destination worker", TransferCommand, "json", "transfer commands with deadline",
