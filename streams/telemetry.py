@@ -166,6 +166,9 @@ class _Metrics:
                                  registry=registry)
         self.index_size = Gauge("nexuskv_index_memberships", "(block, location) memberships in the index",
                                 ["service"], registry=registry)
+        # kind: capacity, used, reserved (prefetch room and copies landing), pinned.
+        self.tier_bytes = Gauge("nexuskv_tier_bytes", "bytes of a managed tier by kind", ["tier", "kind"],
+                                registry=registry)
 
 
 METRICS = _Metrics(REGISTRY)

@@ -852,7 +852,7 @@ class TierManager:
         now = self.clock()
         with self._lock:
             dst = self._backend_of(to_tier)
-            for k in keys:
+            for k in self._leaves_first(keys):
                 blk = self._blocks.get(k)
                 if blk is None:
                     continue
@@ -876,7 +876,7 @@ class TierManager:
         n = 0
         now = self.clock()
         with self._lock:
-            for k in keys:
+            for k in self._leaves_first(keys):
                 blk = self._blocks.get(k)
                 if blk is None or (blk.pinned_until() or 0) > now:
                     continue
@@ -888,6 +888,10 @@ class TierManager:
         self._queue(events)
         self.flush()
         return n
+
+    def _leaves_first(self, keys: Sequence[PayloadKey]) -> list[PayloadKey]:
+        """``keys``, deepest first: a prefix parent leaves only after the blocks that chain from it."""
+        return sorted(keys, key=lambda k: -(self._blocks[k].position if k in self._blocks else 0))
 
     def landed_keys(self, transfer_id: str) -> list[PayloadKey]:
         with self._lock:
