@@ -51,6 +51,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -165,7 +166,6 @@ class _Block:
     lease_until: float | None = None  # unannounced blocks: worth keeping until then
     pins: dict[str, float] = field(default_factory=dict)  # owner -> until
     gains: Mapping[Tier, float] | None = None
-    gains_epoch: int = -1
     copies: dict[int, _Copy] = field(default_factory=dict)  # id(backend) -> copy
 
     def pinned_until(self) -> float | None:
@@ -191,7 +191,7 @@ class TierManager:
                  reuse: ReuseModel | None = None, gains: GainFn | None = None,
                  clock: Callable[[], float] = time.time, pin_fraction: float = 0.5,
                  tenant_pin_quota: Callable[[str], int | None] | None = None, lease_s: float = 5.0,
-                 slack: float = 1 / 32) -> None:
+                 slack: float = 1 / 32, drop_log: int = 4096) -> None:
         if not 0.0 <= pin_fraction <= 1.0:
             raise ValueError(f"pin_fraction: {pin_fraction} is not in [0, 1]")
         self.catalog = catalog
@@ -200,7 +200,6 @@ class TierManager:
         self.policy = policy or ByUtility()
         self.reuse = reuse or ReuseModel()
         self.gains = gains
-        self.gains_epoch = 0
         self.clock = clock
         self.pin_fraction = pin_fraction
         self.tenant_pin_quota = tenant_pin_quota
@@ -211,9 +210,11 @@ class TierManager:
         self._held: dict[str, _Held] = {}  # transfer id -> room set aside for it
         self._landed: dict[str, list[tuple[PayloadKey, int]]] = {}  # transfer id -> blocks it landed, where
         self._price_bytes: dict[int, float] = {}
+        #: The last drops, newest last: (time, key, tier, why) — what left the worker's tiers and why.
+        self.drops: deque[tuple[float, PayloadKey, Tier, str]] = deque(maxlen=drop_log)
         self.counters: dict[str, int] = dict.fromkeys(
             ("saved", "save_refused", "save_failed", "copies_admitted", "copies_refused", "landed", "demoted",
-             "dropped", "garbage", "pins", "pins_refused", "reservations", "reservations_refused",
+             "dropped", "blocks_dropped", "garbage", "pins", "pins_refused", "reservations", "reservations_refused",
              "reservations_expired"), 0)
         managed = [b for b in catalog.backends if not b.capabilities.shared]
         self._managed = sorted(managed, key=lambda b: TIER_ORDER.index(b.capabilities.tier))
@@ -302,13 +303,30 @@ class TierManager:
     # -- scoring ----------------------------------------------------------------------------------
 
     def _gains(self, blk: _Block) -> Mapping[Tier, float]:
-        if blk.gains is None or blk.gains_epoch != self.gains_epoch:
-            if self.gains is None:
-                blk.gains = {b.capabilities.tier: 1.0 for b in self._managed}
-            else:
-                blk.gains = self.gains(blk.key, blk.position, blk.nbytes)
-            blk.gains_epoch = self.gains_epoch
+        """The block's EG per tier, as valued when it was admitted (with the prompt it came with)."""
+        if blk.gains is None:
+            blk.gains = self._block_gains(blk.key, blk.position, blk.nbytes)
         return blk.gains
+
+    def _block_gains(self, key: PayloadKey, position: int, nbytes: int) -> Mapping[Tier, float]:
+        if self.gains is None:
+            return {b.capabilities.tier: 1.0 for b in self._managed}
+        return self.gains(key, position, nbytes)
+
+    def _run_gains(self, run: Sequence[tuple[PayloadKey, int, int]]) -> dict[Tier, float]:
+        """The mean EG per block of a run of blocks ``(key, position, nbytes)`` saved or copied together.
+
+        Every block of a prompt is valued alike, at the prompt's mean: a block's own EG grows with
+        its depth (attention over a longer context), but a deep block is worth nothing without the
+        shallow ones before it, so valuing blocks by depth would refuse a new prompt's first
+        blocks — and with them the whole prompt — wherever deep blocks of older prompts sit.
+        """
+        total: dict[Tier, float] = {}
+        for key, position, nbytes in run:
+            for tier, g in self._block_gains(key, position, nbytes).items():
+                total[tier] = total.get(tier, 0.0) + g
+        n = max(1, len(run))
+        return {tier: g / n for tier, g in total.items()}
 
     def _p_reuse(self, now: float) -> dict[PayloadKey, float]:
         """``P(reuse)`` of every held block; a prefix parent's is at least its likeliest child's (any
@@ -479,6 +497,9 @@ class TierManager:
                           removed_events([blk.key.key], backend.capabilities.tier, blk.key.group))
         if not demoted:
             self.counters["dropped"] += 1
+            if not blk.copies:
+                self.counters["blocks_dropped"] += 1
+                self.drops.append((self.clock(), blk.key, backend.capabilities.tier, why))
         if not blk.copies:
             self._forget(blk)
 
@@ -509,6 +530,8 @@ class TierManager:
                 return SaveOutcome(tier, len(blocks), refused=len(blocks),
                                    reasons=(f"worker {self.worker} has no managed {tier.value} tier",))
             coming: dict[PayloadKey, int] = {}  # admitted in this call -> position
+            run = self._run_gains([(sb.key, sb.position or 0, int(sb.data.numel() * sb.data.element_size()))
+                                   for sb in blocks])
             # A save is a use of every block in it that is held already, counted before anything is
             # scored: a chain being saved must not make room by evicting its own other blocks.
             for sb in blocks:
@@ -541,7 +564,7 @@ class TierManager:
                 probe = blk or _Block(key, tenant, size, 1.0, now, now, position or 0)
                 candidate = Resident("candidate", tenant, size, min(1.0, self.reuse.p_reuse(probe.score, probe.since,
                                                                                            now)),
-                                     self._gains(probe), last_used=now)
+                                     run, last_used=now)
                 why = self._make_room(dst, candidate, size, now, events)
                 reservation = dst.reserve(size) if why is None else None
                 if reservation is None:
@@ -567,7 +590,8 @@ class TierManager:
             for sb, header, position in written:
                 blk = self._blocks.get(sb.key)
                 if blk is None:  # new: this save is its first use
-                    blk = self._blocks[sb.key] = _Block(sb.key, tenant, header.nbytes, 1.0, now, now, position)
+                    blk = self._blocks[sb.key] = _Block(sb.key, tenant, header.nbytes, 1.0, now, now, position,
+                                                        gains=run)
                 blk.copies[id(dst)] = _Copy(dst, header.nbytes)
                 if sb.identity is not None:
                     if blk.identity is None:
@@ -690,11 +714,9 @@ class TierManager:
             else:
                 if held is not None:
                     held.reservation.release()
-                gains: dict[Tier, float] = {}
-                for key, n in blocks:
-                    probe = self._blocks.get(key) or _Block(key, tenant, n, 0.0, now, now, 0)
-                    for t, g in self._gains(probe).items():
-                        gains[t] = gains.get(t, 0.0) + g
+                run = [(key, self._blocks[key].position if key in self._blocks else i, n)
+                       for i, (key, n) in enumerate(blocks)]
+                gains = {t: g * len(blocks) for t, g in self._run_gains(run).items()}  # the copy as one unit
                 candidate = Resident("copy", tenant, max(1, need), 1.0, gains, last_used=now)
                 why = self._make_room(backend, candidate, need, now, events)
                 reservation = backend.reserve(need) if why is None else None
@@ -722,10 +744,12 @@ class TierManager:
                 return
             tier = backend.capabilities.tier
             record = self._landed.setdefault(transfer_id, [])
+            run = self._run_gains([(k, i, n) for i, (k, n) in enumerate(zip(keys, nbytes))])
             for key, n in zip(keys, nbytes):
                 blk = self._blocks.get(key)
                 if blk is None:
-                    blk = self._blocks[key] = _Block(key, tenant, n, 0.0, now, now, 0, lease_until=lease_until)
+                    blk = self._blocks[key] = _Block(key, tenant, n, 0.0, now, now, 0, lease_until=lease_until,
+                                                     gains=run)
                 if id(backend) not in blk.copies:
                     blk.copies[id(backend)] = _Copy(backend, n, landing=transfer_id)
                     if blk.identity is not None:
