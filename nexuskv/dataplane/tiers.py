@@ -747,8 +747,8 @@ class TierManager:
             run = self._run_gains([(k, i, n) for i, (k, n) in enumerate(zip(keys, nbytes))])
             for key, n in zip(keys, nbytes):
                 blk = self._blocks.get(key)
-                if blk is None:
-                    blk = self._blocks[key] = _Block(key, tenant, n, 0.0, now, now, 0, lease_until=lease_until,
+                if blk is None:  # new here: the copy is its first use (a held source counted its read)
+                    blk = self._blocks[key] = _Block(key, tenant, n, 1.0, now, now, 0, lease_until=lease_until,
                                                      gains=run)
                 if id(backend) not in blk.copies:
                     blk.copies[id(backend)] = _Copy(backend, n, landing=transfer_id)
@@ -758,7 +758,6 @@ class TierManager:
                     self._note_size(backend, n)
                 elif blk.identity is None:
                     blk.lease_until = max(blk.lease_until or now, lease_until)
-                self._use(blk, now)
                 record.append((key, id(backend)))
                 self.counters["landed"] += 1
             while len(self._landed) > 4096:
