@@ -10,8 +10,12 @@ For each pair (``disk->host``, ``host->disk``, ``host->device``, ``device->host`
   between passes (not timed);
 * **plain** — the same bytes moved the plainest way between the same places: ``Tensor.copy_``
   into preallocated tensors (memory tiers), ``readinto`` of the same payload files into a
-  preallocated buffer / ``write`` of new files (disk), ``sendall`` / ``recv_into`` over a TCP
-  socket to a plain byte sink process (remote: ``benchmarks/_plain_sink.py``). No checksum.
+  preallocated buffer / ``write`` of new files (disk), and for the remote tier the store's own
+  client at its plainest: Mooncake's ``put_from`` / ``get_into`` of the same bytes from and into
+  preallocated tensors (no NexusKV header, checksum or executor). No checksum.
+
+The remote tier is a Mooncake Store started as ``nexuskv up`` starts it (``python -m
+streams.remote_tier``: its master and a memory segment, over Mooncake's TCP transport).
 
 Prints GB/s medians of ``--repeats`` passes and their ratio per pair and unit, and writes
 ``benchmarks/results/copy_SRC_DST.json`` (value: ours at ``--headline`` unit; baseline: plain;
@@ -27,7 +31,6 @@ import os
 import shutil
 import socket
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -50,31 +53,33 @@ from nexuskv.dataplane import (
 )
 from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.payload import HEADER_BYTES
-from nexuskv.dataplane.wire import recv_into, tune_socket
+from nexuskv.dataplane.remote_store import parse_store_address
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import TierUnavailableError
-from streams.process import ManagedProcess, free_port
+from streams.process import ManagedProcess
+from streams.remote_tier import local_address
 
 PAIRS = [("disk", "host"), ("host", "disk"), ("host", "device"), ("device", "host"), ("host", "remote"),
          ("remote", "host")]
+DEFAULT_PAIRS = ",".join(f"{s}-{d}" for s, d in PAIRS)
 TIERS = {"device": Tier.GPU, "host": Tier.HOST, "disk": Tier.DISK, "remote": Tier.REMOTE}
 DID = "sd1-" + "b" * 32
 WORKER = "bench"
 
 
 class Rig:
-    """Every tier, a remote tier process, a plain sink process, and an executor over them."""
+    """Every tier, the remote tier's store, a plain client of that store, and an executor over them."""
 
     def __init__(self, mib: int, lanes: int, work: Path) -> None:
         cap = (mib << 20) * 3
         self.work = work
         self.procs: list[ManagedProcess] = []
-        remote_addr = f"tcp://127.0.0.1:{free_port()}"
+        remote_addr = local_address()
+        # Room for the stocked payloads, a pass of ours and a pass of the plain client, with headers.
         self._spawn([sys.executable, "-m", "streams.remote_tier", "--listen", remote_addr], "remote-tier",
-                    env={"NEXUSKV_REMOTE_TIER_BYTES": str(cap)})
-        self.sink_port = free_port()
-        self._spawn([sys.executable, "-m", "benchmarks._plain_sink", str(self.sink_port), str(mib << 20)], "sink")
+                    env={"NEXUSKV_REMOTE_TIER_BYTES": str(cap + (mib << 20) * 2), "NEXUSKV_DATA_DIR": str(work)},
+                    port=parse_store_address(remote_addr).port)
         self.backends = {
             "device": DeviceMemoryBackend(cap),
             "host": HostMemoryBackend(cap),
@@ -82,15 +87,18 @@ class Rig:
             "remote": _connect(remote_addr),
         }
         self.executor = TransferExecutor(BackendCatalog(WORKER, self.backends.values()), lanes=lanes)
-        self.sink = socket.create_connection(("127.0.0.1", self.sink_port))
-        tune_socket(self.sink)
+        from mooncake.store import MooncakeDistributedStore
 
-    def _spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.plain_store = MooncakeDistributedStore()
+        if self.plain_store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "",
+                                  parse_store_address(remote_addr).master) != 0:
+            raise RuntimeError("the plain Mooncake client could not join the store")
+
+    def _spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None, *, port: int) -> None:
         proc = ManagedProcess(argv, name=name, log_path=self.work / f"{name}.log", env=dict(os.environ, **(env or {})))
         proc.start()
         self.procs.append(proc)
-        deadline = time.monotonic() + 30
-        port = int(argv[-1].rsplit(":", 1)[-1]) if name == "remote-tier" else int(argv[-2])
+        deadline = time.monotonic() + 60
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -102,7 +110,7 @@ class Rig:
 
     def close(self) -> None:
         self.executor.close()
-        self.sink.close()
+        self.plain_store.close()
         for b in self.backends.values():
             b.close()
         for p in self.procs:
@@ -110,7 +118,7 @@ class Rig:
 
 
 def _connect(address: str) -> RemoteBackend:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while True:
         try:
             return RemoteBackend(address)
@@ -164,6 +172,11 @@ class Plain:
             t.fill_(0)
         self.files = [rig.backends["disk"].path(PayloadKey(DID, k)) for k in keys]
         self.out_dir = rig.work / "plain"
+        if src == "remote":  # the plain client reads its own copies of the same bytes
+            for i, t in enumerate(self.src_tensors):
+                rig.plain_store.remove(f"plain/{i}", True)
+                if rig.plain_store.put_from(f"plain/{i}", t.data_ptr(), unit) != 0:
+                    raise RuntimeError("the plain Mooncake client could not stock the store")
 
     def run(self) -> float:
         t0 = time.perf_counter()
@@ -178,14 +191,13 @@ class Plain:
                 with open(self.out_dir / f"{i}.bin", "wb", buffering=0) as fh:
                     fh.write(host_view(t))
         elif self.dst == "remote":
-            for t in self.src_tensors:
-                self.rig.sink.sendall(struct.pack(">cQ", b"P", self.unit))
-                self.rig.sink.sendall(host_view(t))
-                self.rig.sink.recv(1)
+            for i, t in enumerate(self.src_tensors):
+                if self.rig.plain_store.put_from(f"plain/{i}", t.data_ptr(), self.unit) != 0:
+                    raise RuntimeError("plain put_from failed")
         elif self.src == "remote":
-            for out in self.dst_tensors:
-                self.rig.sink.sendall(struct.pack(">cQ", b"G", self.unit))
-                recv_into(self.rig.sink, host_view(out))
+            for i, out in enumerate(self.dst_tensors):
+                if self.rig.plain_store.get_into(f"plain/{i}", out.data_ptr(), self.unit) != self.unit:
+                    raise RuntimeError("plain get_into failed")
         else:
             for s, d in zip(self.src_tensors, self.dst_tensors):
                 d.copy_(s, non_blocking=True)
@@ -194,6 +206,8 @@ class Plain:
         elapsed = time.perf_counter() - t0
         if self.dst == "disk":
             shutil.rmtree(self.out_dir)
+        if self.dst == "remote":
+            self.rig.plain_store.remove_by_regex("^plain/", True)
         return len(self.keys) * self.unit / elapsed / 1e9
 
 
@@ -204,7 +218,7 @@ def main() -> None:
     ap.add_argument("--headline", type=int, default=2097152, help="the unit whose figure goes in the result file")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lanes", type=int, default=2)
-    ap.add_argument("--pairs", default=",".join(f"{s}-{d}" for s, d in PAIRS))
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     units = [int(u) for u in args.units.split(",")]
@@ -243,16 +257,18 @@ def main() -> None:
     for (src, dst), by_unit in cells.items():
         head = by_unit.get(args.headline) or by_unit[max(by_unit)]
         head_unit = args.headline if args.headline in by_unit else max(by_unit)
-        baseline = {"disk": "plain file readinto", "remote": "plain TCP recv_into from a byte-sink process"}.get(
-            src, {"disk": "plain file write", "remote": "plain TCP sendall to a byte-sink process"}.get(
+        baseline = {"disk": "plain file readinto", "remote": "Mooncake get_into from the same store, no checks"}.get(
+            src, {"disk": "plain file write", "remote": "Mooncake put_from into the same store, no checks"}.get(
                 dst, "torch Tensor.copy_"))
         path = write_result(
             f"copy_{src}_{dst}", f"copy bandwidth {src}->{dst}, {head_unit}-byte payloads, checksum verified",
             "GB/s", head["ours"], baseline, head["plain"],
             f"python -m benchmarks.bench_copy --mib {args.mib} --units {args.units} --headline {args.headline} "
-            f"--repeats {args.repeats} --lanes {args.lanes}",
+            f"--repeats {args.repeats} --lanes {args.lanes}"
+            + (f" --pairs {args.pairs}" if args.pairs != DEFAULT_PAIRS else ""),
             details={"units": {str(u): c for u, c in by_unit.items()}, "lanes": args.lanes, "mib_per_pass": args.mib,
-                     "device_tier": device_note, "cuda": cuda_available()},
+                     "device_tier": device_note, "cuda": cuda_available(),
+                     "remote_store": "Mooncake Store (mooncake-transfer-engine-non-cuda), TCP transport, loopback"},
         )
         print(f"wrote {path}")
 

@@ -11,9 +11,9 @@ GPU cache).
 The simulation is deterministic, so "several runs" are several *windows* of the trace (each a
 fresh cluster): the figure is the median over windows of each policy's mean predicted TTFT.
 Value = NexusKV; baseline = the better of Dynamo and llm-d. Writes
-``benchmarks/results/router_policies_ttft.json``.
+``benchmarks/results/router_policies_ttft_nexuskv_model.json`` (graded by NexusKV's own cost model).
 Run: ``python -m benchmarks.bench_router [--requests 1000] [--windows 3] [--time-scale 1.0]``
-(``--time-scale 4 --result router_policies_ttft_load4x``: the same trace at four times its rate).
+(``--time-scale 4 --result router_policies_ttft_nexuskv_model_load4x``: the same trace at four times its rate).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=3, help="disjoint windows of the trace (a fresh cluster each)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this (load)")
-    ap.add_argument("--result", default="router_policies_ttft", help="result file name (benchmarks/results/)")
+    ap.add_argument("--result", default="router_policies_ttft_nexuskv_model", help="result file name (benchmarks/results/)")
     args = ap.parse_args()
 
     trace = load_trace(CONVERSATION_TRACE)
@@ -75,7 +75,7 @@ def main() -> None:
     command = (f"python -m benchmarks.bench_router --requests {args.requests} --windows {args.windows} "
                f"--workers {args.workers} --time-scale {args.time_scale} --result {args.result}")
     write_result(args.result,
-                 f"mean predicted TTFT, Mooncake conversation trace, {args.workers} simulated workers "
+                 f"mean TTFT predicted by NexusKV's own cost model (the model NexusKV's rule optimises), Mooncake conversation trace, {args.workers} simulated workers "
                  f"(median over {len(per_window)} windows of {args.requests} requests)",
                  "s", ours, f"{rival} (the better of dynamo and llm-d)", theirs, command,
                  details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,

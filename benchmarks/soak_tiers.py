@@ -4,7 +4,7 @@ What runs, all real:
 
 * **Apache Kafka** (single node, KRaft; the one the tests provision), or ``NEXUSKV_BROKER``.
 * **``nexuskv up``** as a subprocess (``python -m streams.app.cli up``): index worker, index lookup
-  API, remote tier, the tier manager of worker ``soak-w0`` with its transfer executor, calibration,
+  API, the remote tier's Mooncake Store, the tier manager of worker ``soak-w0`` with its transfer executor, calibration,
   planner, decision sink — each its own process, tiers sized small by the settings.
 * **Engine workers, in this process** (``--engines``, ``soak-e0``...): what a vLLM connector or the
   SGLang backend runs in an engine's process — a :class:`~nexuskv.dataplane.tiers.TierManager`
@@ -533,11 +533,13 @@ async def run_soak(config: SoakConfig, url: BrokerUrl, work: Path) -> SoakResult
                NEXUSKV_TIER_DEVICE_BYTES=str(config.gpu_blocks * block_bytes),
                NEXUSKV_TIER_HOST_BYTES=str(config.host_blocks * block_bytes),
                NEXUSKV_TIER_DISK_BYTES=str(config.disk_blocks * block_bytes),
-               NEXUSKV_REMOTE_TIER_BYTES=str(4 * config.remote_blocks * block_bytes),
+               NEXUSKV_REMOTE_TIER_BYTES=str(max(32 << 20, 2 * config.remote_blocks * (block_bytes + 4096))),
                NEXUSKV_TIER_REUSE_HALF_LIFE=str(config.half_life_s), NEXUSKV_TIER_STATE_INTERVAL="1.0",
                NEXUSKV_INDEX_API_PORT=str(_free_port()), NEXUSKV_LOG_LEVEL="INFO",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    remote_addr = f"tcp://127.0.0.1:{_free_port()}"
+    from streams.remote_tier import local_address
+
+    remote_addr = local_address()
     env["NEXUSKV_REMOTE_TIER"] = remote_addr
     up_log = (work / "up.out").open("w")
     up = subprocess.Popen([sys.executable, "-m", "streams.app.cli", "up"], env=env, stdout=up_log,

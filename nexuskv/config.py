@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexuskv.errors import ConfigError
+
+_STORE_ADDRESS = re.compile(r"^mooncake://(\[[^\]]+\]|[^:/?\[\]]+):([0-9]{1,5})(\?admin=([0-9]{1,5}))?/?$")
 
 __all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "setting_rows"]
 
@@ -173,13 +176,16 @@ class Settings(BaseModel):
     )
     remote_tier: str | None = _env(
         "NEXUSKV_REMOTE_TIER",
-        "Address `tcp://host:port` of the remote tier server (payloads in another process). `nexuskv up` "
-        "starts one on a free loopback port when unset; other processes without it have no remote tier.",
+        "Address `mooncake://host:port?admin=port` of the remote tier's Mooncake Store (its master's RPC and "
+        "admin HTTP ports). `nexuskv up` starts the store there, or on free loopback ports when unset; other "
+        "processes without it have no remote tier.",
         None,
     )
     remote_tier_bytes: int = _env(
-        "NEXUSKV_REMOTE_TIER_BYTES", "Capacity in bytes of a remote tier server this process starts.",
-        1 << 30, ge=0,
+        "NEXUSKV_REMOTE_TIER_BYTES",
+        "Memory in bytes of the remote tier store this process starts (its Mooncake segment, allocated at start; "
+        "a full store rejects a save, it never evicts on its own). At least 16 MiB (Mooncake's smallest segment).",
+        1 << 30, ge=16 << 20,
     )
     tier_policy: str = _env(
         "NEXUSKV_TIER_POLICY",
@@ -265,10 +271,13 @@ class Settings(BaseModel):
         if value is None or value.strip() == "":
             return None
         text = value.strip()
-        host, sep, port = text[len("tcp://"):].rpartition(":") if text.startswith("tcp://") else ("", "", "")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ValueError(f"invalid remote tier address {value!r}: expected tcp://host:port")
+        # The form nexuskv.dataplane.remote_store.parse_store_address reads (kept apart: the core
+        # does not import the data plane).
+        m = _STORE_ADDRESS.match(text)
+        if m is None or not all(0 < int(p) < 65536 for p in (m.group(2), m.group(4) or "9003")):
+            raise ValueError(f"invalid remote tier address {value!r}: expected mooncake://host:port[?admin=port]")
         return text
+
     @field_validator("policy_file", mode="before")
     @classmethod
     def _policy_file(cls, value: object) -> object:

@@ -29,22 +29,26 @@ def kafka_url() -> Iterator[BrokerUrl]:
 
 
 @pytest.fixture(scope="session")
-def remote_tier_address(tmp_path_factory) -> Iterator[str]:
-    """A remote tier server in its own process (``python -m streams.remote_tier``), for the session."""
+def remote_tier_store(tmp_path_factory):
+    """The remote tier's store for the session: Mooncake Store (its master and a 256 MiB memory
+    segment) started by ``python -m streams.remote_tier`` as ``nexuskv up`` starts it, from the
+    binaries the install put on the machine; stopped at the end. Yields (address, supervisor)."""
     import sys
     import time
 
     from nexuskv.dataplane.remote import RemoteBackend
     from nexuskv.errors import TierUnavailableError
-    from streams.process import ManagedProcess, free_port
+    from streams.process import ManagedProcess
+    from streams.remote_tier import local_address
 
-    address = f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES=str(256 << 20))
+    address = local_address()
+    work = tmp_path_factory.mktemp("remote-tier")
+    env = dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES=str(256 << 20), NEXUSKV_DATA_DIR=str(work))
     proc = ManagedProcess([sys.executable, "-m", "streams.remote_tier", "--listen", address], name="remote-tier",
-                          log_path=tmp_path_factory.mktemp("remote-tier") / "remote-tier.log", env=env)
+                          log_path=work / "remote-tier.log", env=env)
     proc.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             try:
                 RemoteBackend(address, timeout_s=2).close()
@@ -52,15 +56,21 @@ def remote_tier_address(tmp_path_factory) -> Iterator[str]:
             except TierUnavailableError:
                 if not proc.alive() or time.monotonic() > deadline:
                     raise RuntimeError(f"remote tier did not start; log:\n{proc.log_tail()}") from None
-                time.sleep(0.1)
-        yield address
+                time.sleep(0.2)
+        yield address, proc
     finally:
         proc.stop()
 
 
+@pytest.fixture(scope="session")
+def remote_tier_address(remote_tier_store) -> str:
+    """Address (``mooncake://...``) of the session's remote tier store."""
+    return remote_tier_store[0]
+
+
 @pytest.fixture
 def remote_backend(remote_tier_address):
-    """A client of the session's remote tier process, emptied before and after the test."""
+    """A client of the session's remote tier store, emptied before and after the test."""
     from nexuskv.dataplane.remote import RemoteBackend
 
     backend = RemoteBackend(remote_tier_address)

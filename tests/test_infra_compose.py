@@ -1,6 +1,7 @@
 """The deployment files stay consistent with the code: every service command names a module that
-exists and runs, settings are NexusKV's, and the collector forwards traces to Jaeger. (No Docker
-engine runs on the CI machines; `docker compose config` is the next check where one does.)"""
+exists, every setting is NexusKV's and parses, and the collector's configuration routes OTLP traces
+to its Jaeger exporter. These read the files; they run nothing (no Docker engine runs on the CI
+machines; `docker compose config` is the next check where one does)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from streams.app.services import SERVICES
 COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "compose"
 
 
-def test_compose_runs_every_registered_service_with_valid_settings():
+def test_compose_declares_every_registered_service_with_valid_settings():
     doc = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
     services = doc["services"]
     assert {"kafka", "otel-collector", "jaeger"} <= set(services)
@@ -34,7 +35,7 @@ def test_compose_runs_every_registered_service_with_valid_settings():
     assert kafka["KAFKA_PROCESS_ROLES"] == "broker,controller"
 
 
-def test_collector_forwards_otlp_traces_to_jaeger():
+def test_collector_config_routes_otlp_traces_to_the_jaeger_exporter():
     cfg = yaml.safe_load((COMPOSE / "otel-collector.yaml").read_text())
     assert cfg["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
     assert cfg["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")

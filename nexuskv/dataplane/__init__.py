@@ -5,8 +5,8 @@
 * :mod:`~nexuskv.dataplane.backend` — the tier backend interface.
 * :mod:`~nexuskv.dataplane.memory` — host DRAM and device memory (CUDA, or a host stand-in).
 * :mod:`~nexuskv.dataplane.disk` — local disk, one file per payload.
-* :mod:`~nexuskv.dataplane.remote` / :mod:`~nexuskv.dataplane.remote_server` /
-  :mod:`~nexuskv.dataplane.wire` — the remote tier: payloads in another process, over TCP.
+* :mod:`~nexuskv.dataplane.remote` / :mod:`~nexuskv.dataplane.remote_store` — the remote tier:
+  payloads in a Mooncake Store, with NexusKV's checks on top.
 * :mod:`~nexuskv.dataplane.catalog` — choosing backends by capability and policy.
 * :mod:`~nexuskv.dataplane.guard` — descriptor compatibility of payloads (refusals with reasons).
 * :mod:`~nexuskv.dataplane.executor` — transfer commands in, honest results and observations out.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Exports resolve lazily, so a process that needs only the torch-free parts (the remote tier
-# server: payload, wire, remote_server) does not pay for importing torch.
+# Exports resolve lazily, so a process that needs only the torch-free parts (the remote tier's
+# store supervisor: payload, remote_store) does not pay for importing torch.
 _EXPORTS = {
     "TierBackend": "backend",
     "Capabilities": "capabilities",
@@ -35,7 +35,6 @@ _EXPORTS = {
     "CHECKSUM_ALGORITHM": "payload", "PayloadHandle": "payload", "PayloadHeader": "payload", "PayloadKey": "payload",
     "payload_checksum": "payload", "verify_payload": "payload",
     "RemoteBackend": "remote",
-    "RemoteTierServer": "remote_server",
 }
 
 
@@ -69,7 +68,6 @@ __all__ = [
     "PayloadHeader",
     "PayloadKey",
     "RemoteBackend",
-    "RemoteTierServer",
     "TierBackend",
     "TransferExecutor",
     "TransferOutcome",

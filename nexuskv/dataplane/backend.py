@@ -15,7 +15,7 @@ and a full tier raises :class:`~nexuskv.errors.TierFullError` having stored noth
 When the source keeps payloads in host memory (:meth:`TierBackend.borrow`) and the destination
 writes or sends bytes rather than keeping a buffer (``writes_from_views``: disk, remote), the
 payload is verified in place at the source and written from there (:meth:`TierBackend.commit_view`):
-no staging copy. The remote server verifies what it received once more.
+no staging copy. The remote backend verifies the bytes before it sends them to its store.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class TierBackend(ABC):
     #: into this tier then needs no staging buffer when its source can lend views.
     writes_from_views = False
     #: True when commit itself verifies the bytes against the header's checksum before storing
-    #: (the remote server does): the executor then does not hash them a second time on the way.
+    #: (the remote backend does, before sending): the executor then does not hash them a second time.
     verifies_on_commit = False
 
     def __init__(self, *, label: str, capacity_bytes: int, capabilities: Capabilities) -> None:

@@ -20,7 +20,7 @@ class Capabilities:
     * ``pinned`` — page-locked host memory (CUDA can DMA from it without another copy); only
       possible when CUDA is present.
     * ``durable`` — payloads survive the process (files).
-    * ``out_of_process`` — payloads are held by another process (the remote tier server).
+    * ``out_of_process`` — payloads are held by another process (the remote tier's store).
     * ``shared`` — every worker can reach it, not only the worker that owns it.
     * ``async_copy`` — copies run on dedicated CUDA streams and complete by CUDA events.
     * ``transport`` — how bytes reach it: ``memory``, ``cuda``, ``file`` or ``tcp``.

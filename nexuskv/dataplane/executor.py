@@ -6,8 +6,8 @@ everything it can before moving a byte (deadline, cancellation, every block pres
 source, room at the destination), then copies block by block on ``lanes`` threads — each block
 read straight into the buffer it will be stored in, verified against its checksum there, then
 committed (:mod:`nexuskv.dataplane.backend`) — or, into a disk or remote tier from a tier
-that lends host views, verified in place and written from there (the remote server verifies
-what it receives against the same checksum, so the executor does not hash it twice). The
+that lends host views, verified in place and written from there (the remote backend verifies
+what it sends against the same checksum, so the executor does not hash it twice). The
 outcome is one
 :class:`~nexuskv.contracts.transfers.TransferResult`:
 

@@ -1,56 +1,96 @@
-"""The remote tier as a backend: a client of a :class:`~nexuskv.dataplane.remote_server.RemoteTierServer`.
+"""The remote tier as a backend: payloads in a Mooncake Store, with NexusKV's checks on top.
 
-Payloads live in another process (``python -m streams.remote_tier``, started by ``nexuskv up``
-and by tests), reached over TCP at ``tcp://host:port``, so the tier is ``out_of_process`` and
-``shared``: any worker that can reach the address can read it. Each thread keeps its own
-connection (the protocol answers one request at a time). The server verifies what it receives
-before answering OK, so a committed payload arrived intact; reads come back with the stored
-header, which the reader verifies again. A server that cannot be reached raises
-:class:`~nexuskv.errors.TierUnavailableError`; the next call reconnects.
+The store (:mod:`nexuskv.dataplane.remote_store`; ``python -m streams.remote_tier`` starts one for
+``nexuskv up`` and for the tests) is reached at ``mooncake://host:port?admin=port`` through
+Mooncake's own Python client over its TCP transport, so the tier is ``out_of_process`` and
+``shared``: every worker that can reach the address reads what any of them saved.
+
+Each payload is one store object named by its address (:func:`~nexuskv.dataplane.remote_store.object_name`)
+holding the packed 128-byte :class:`~nexuskv.dataplane.payload.PayloadHeader` and then the bytes,
+written and read in one call from and into the caller's buffers (no staging copy). The store is
+not trusted with integrity:
+
+* a save is verified against its header before it is sent (a corrupt payload is refused here,
+  nothing is stored);
+* a read checks that the header it got back names the requested payload and size, and the reader
+  verifies the checksum over address and bytes, so a read never yields another payload's bytes
+  under a valid header; a missing, torn or relabelled object is a miss (None, or IntegrityError
+  for a reader told it is there), which falls back to recompute.
+
+Mooncake gives every read a lease (:data:`~nexuskv.dataplane.remote_store.LEASE_MS`) during which
+the object cannot be removed, so a DELETE racing a GET waits for the read instead of freeing its
+bytes under it; :meth:`RemoteBackend.delete` retries while a lease is held, for at most
+``timeout_s``. Every object is hard-pinned: the store never evicts on its own, and a full store
+rejects the save (TierFullError) with nothing stored, so the index is never made wrong by an
+eviction NexusKV did not decide. Capacity and use are the store's own (its admin endpoint's
+gauges), headers included: a payload of ``n`` bytes uses ``n + 128``.
+
+Bounds: the admin endpoint is called with ``timeout_s``; Mooncake's RPCs give up after its own 30 s
+deadline; one client (a fixed set of Mooncake threads) per backend, shared by every thread.
 """
 
 from __future__ import annotations
 
-import socket
+import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
 
-import msgpack
+import numpy as np
 import torch
 
 from nexuskv.dataplane.backend import Reservation, StagedBackend, host_view
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.cuda import cuda_available
-from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader, PayloadKey
-from nexuskv.dataplane.wire import (
-    KEY_FRAME_BYTES,
-    Op,
-    Status,
-    pack_frame,
-    pack_key,
-    parse_address,
-    read_frame_header,
-    recv_exact,
-    recv_into,
-    tune_socket,
-    unpack_key,
+from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.remote_store import (
+    KEY_PREFIX,
+    StoreAddress,
+    StoreAdmin,
+    local_host_for,
+    object_name,
+    parse_object_name,
+    parse_store_address,
+    reachable,
 )
 from nexuskv.descriptor import Tier
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
 
 __all__ = ["RemoteBackend"]
 
+log = logging.getLogger(__name__)
+
 _HEADS_PER_CALL = 4096
-_ABSENT = bytes(HEADER_BYTES)  # HEADS answers an all-zero header for a key it does not hold
+# Mooncake's error codes (mooncake-store/include/types.h) that NexusKV tells apart.
+_NO_AVAILABLE_HANDLE = -200  # no room: a full store
+_INVALID_PARAMS = -600  # e.g. a read whose buffers do not add up to the object's size
+_OBJECT_NOT_FOUND = -704
+_OBJECT_ALREADY_EXISTS = -705
+_BUSY = (-703, -706, -714)  # replica not ready (a put in progress), lease held, replica in use
+_LEASE_EXPIRED = -707
+
+
+def _mooncake():
+    # Mooncake's C++ logging (glog) writes INFO lines for every client set-up; warnings and errors stay.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:  # the wheel, or libibverbs1 it links, is missing
+        raise TierUnavailableError(f"the Mooncake Store client cannot be loaded ({exc}); install it with "
+                                   "`bash infra/store/install.sh && python -m pip install -e .`") from None
+    return MooncakeDistributedStore, ReplicateConfig
 
 
 class RemoteBackend(StagedBackend):
-    """Client of the remote tier server at ``address``; capacity is the server's."""
+    """A client of the Mooncake Store at ``address``; capacity is the store's."""
+
+    #: commit_view hashes the bytes against their header before it sends them (the store does not).
+    verifies_on_commit = True
 
     @classmethod
-    def connect(cls, address: str, *, wait_s: float, label: str = "remote-tcp") -> RemoteBackend:
-        """A backend for the server at ``address``, retrying for up to ``wait_s`` while it starts."""
+    def connect(cls, address: str, *, wait_s: float, label: str = "remote-mooncake") -> RemoteBackend:
+        """A backend for the store at ``address``, retrying for up to ``wait_s`` while it starts."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -60,157 +100,206 @@ class RemoteBackend(StagedBackend):
                     raise
                 time.sleep(0.2)
 
-    def __init__(self, address: str, *, label: str = "remote-tcp", timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, *, label: str = "remote-mooncake", timeout_s: float = 10.0) -> None:
         self.address = address
-        self._host, self._port = parse_address(address)
         self.timeout_s = timeout_s
-        self._local = threading.local()
-        self._conns: list[socket.socket] = []
-        self._conns_lock = threading.Lock()
-        caps = Capabilities(tier=Tier.REMOTE, device="cpu", transport="tcp", out_of_process=True, shared=True,
-                            note=f"payloads held by the remote tier process at {address}")
-        stats = self._stats_of(self._call(Op.STATS))
-        super().__init__(label=label, capacity_bytes=stats["capacity_bytes"], capabilities=caps, pin=cuda_available())
-
-    # -- connection -------------------------------------------------------------------------
-
-    def _sock(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            try:
-                sock = socket.create_connection((self._host, self._port), timeout=self.timeout_s)
-            except OSError as exc:
-                raise TierUnavailableError(f"remote tier {self.address} cannot be reached: {exc}") from None
-            tune_socket(sock)
-            self._local.sock = sock
-            with self._conns_lock:
-                self._conns.append(sock)
-        return sock
-
-    def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock = None
-        if sock is not None:
-            with self._conns_lock:
-                if sock in self._conns:
-                    self._conns.remove(sock)
-            sock.close()
-
-    def _call(self, op: Op, meta: bytes = b"", data: memoryview | None = None,
-              into: memoryview | None = None) -> tuple[Status, bytes]:
-        """Send one request, read its answer; the answer's data lands in ``into`` when given."""
-        sock = self._sock()
         try:
-            sock.sendall(pack_frame(op, meta, data.nbytes if data is not None else 0))
-            if data is not None:
-                sock.sendall(data)
-            frame = read_frame_header(sock)
-            if frame is None:
-                raise ConnectionError("remote tier closed the connection")
-            code, meta_len, data_len = frame
-            answer = recv_exact(sock, meta_len) if meta_len else b""
-            if data_len:
-                if into is None or into.nbytes != data_len:
-                    raise ConnectionError(f"unexpected {data_len} data bytes from the remote tier")
-                recv_into(sock, into)
-            return Status(code), answer or b""
-        except (OSError, ConnectionError, ValueError) as exc:
-            self._drop()
-            raise TierUnavailableError(f"remote tier {self.address}: {exc}") from None
+            self._addr: StoreAddress = parse_store_address(address)
+        except ValueError as exc:
+            raise TierUnavailableError(str(exc)) from None
+        if not reachable(self._addr, min(timeout_s, 5.0)):
+            raise TierUnavailableError(f"remote tier {address} cannot be reached (no Mooncake master at "
+                                       f"{self._addr.master})")
+        self._admin = StoreAdmin(self._addr, timeout_s=timeout_s)
+        capacity, _ = self._capacity()
+        if capacity <= 0:
+            raise TierUnavailableError(f"remote tier {address}: the store has no memory segment mounted")
+        store_cls, config_cls = _mooncake()
+        self._store = store_cls()
+        rc = self._store.setup(local_host_for(self._addr, timeout_s), "P2PHANDSHAKE", 0, 0, "tcp", "",
+                               self._addr.master)
+        if rc != 0:
+            raise TierUnavailableError(f"remote tier {address}: the Mooncake client could not join the store "
+                                       f"(setup returned {rc})")
+        self._pin = config_cls()
+        self._pin.with_hard_pin = True  # only NexusKV evicts NexusKV's payloads
+        # Headers are read into this registered buffer, many per call (Mooncake reads byte ranges
+        # only into registered memory).
+        self._heads = np.zeros(_HEADS_PER_CALL * HEADER_BYTES, dtype=np.uint8)
+        self._heads_lock = threading.Lock()
+        rc = self._store.register_buffer(self._heads.ctypes.data, self._heads.nbytes)
+        if rc != 0:
+            self._store.close()
+            raise TierUnavailableError(f"remote tier {address}: cannot register the header buffer ({rc})")
+        self._closed = False
+        caps = Capabilities(tier=Tier.REMOTE, device="cpu", transport="tcp", out_of_process=True, shared=True,
+                            note=f"payloads held by the Mooncake Store at {address}")
+        super().__init__(label=label, capacity_bytes=capacity, capabilities=caps, pin=cuda_available())
 
-    @staticmethod
-    def _stats_of(answer: tuple[Status, bytes]) -> dict[str, int]:
-        status, meta = answer
-        if status is not Status.OK:
-            raise TierUnavailableError(f"remote tier answered {status.name} to STATS")
-        return msgpack.unpackb(meta)
+    # -- accounting lives in the store --------------------------------------------------------
 
-    # -- accounting lives on the server -----------------------------------------------------
+    def _capacity(self) -> tuple[int, int]:
+        try:
+            return self._admin.capacity()
+        except OSError as exc:
+            raise TierUnavailableError(f"remote tier {self.address}: admin endpoint {self._addr.admin_url} "
+                                       f"cannot be reached: {exc}") from None
 
     def stats(self) -> dict[str, int]:
-        return self._stats_of(self._call(Op.STATS))
+        capacity, used = self._capacity()
+        return {"capacity_bytes": capacity, "used_bytes": used}
 
     def used_bytes(self) -> int:
-        return self.stats()["used_bytes"]
+        """Bytes the store has allocated: every payload with its 128-byte header."""
+        return self._capacity()[1]
 
     def free_bytes(self) -> int:
-        s = self.stats()
-        return s["capacity_bytes"] - s["used_bytes"]
+        capacity, used = self._capacity()
+        return capacity - used
 
     def ping(self) -> bool:
-        try:
-            return self._call(Op.PING)[0] is Status.OK
-        except TierUnavailableError:
-            return False
-
-    # -- the interface ----------------------------------------------------------------------
-
-    def header(self, key: PayloadKey) -> PayloadHeader | None:
-        status, meta = self._call(Op.HEAD, pack_key(key))
-        if status is Status.NOT_FOUND:
-            return None
-        if status is not Status.OK:
-            raise TierUnavailableError(f"remote tier answered {status.name} to HEAD: {meta.decode(errors='replace')}")
-        return PayloadHeader.unpack(meta)
-
-    def keys(self) -> list[PayloadKey]:
-        status, meta = self._call(Op.KEYS)
-        if status is not Status.OK:
-            raise TierUnavailableError(f"remote tier answered {status.name} to KEYS")
-        return [unpack_key(meta[i:i + KEY_FRAME_BYTES]) for i in range(0, len(meta), KEY_FRAME_BYTES)]
-
-    def read_into(self, key: PayloadKey, out: torch.Tensor) -> PayloadHeader | None:
-        with self._host_target(out) as target:
-            status, meta = self._call(Op.GET, pack_key(key), into=host_view(target))
-            if status is Status.NOT_FOUND:
-                return None
-            if status is not Status.OK:
-                raise TierUnavailableError(f"remote tier answered {status.name} to GET {key}")
-            return PayloadHeader.unpack(meta)
-
-    verifies_on_commit = True  # the server checks every PUT against its header before storing it
-
-    def headers(self, keys: Sequence[PayloadKey]) -> list[PayloadHeader | None]:
-        out: list[PayloadHeader | None] = []
-        for start in range(0, len(keys), _HEADS_PER_CALL):
-            chunk = keys[start:start + _HEADS_PER_CALL]
-            status, meta = self._call(Op.HEADS, b"".join(pack_key(k) for k in chunk))
-            if status is not Status.OK or len(meta) != len(chunk) * HEADER_BYTES:
-                raise TierUnavailableError(f"remote tier answered {status.name} to HEADS")
-            for i in range(len(chunk)):
-                raw = meta[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
-                out.append(None if raw == _ABSENT else PayloadHeader.unpack(raw))
-        return out
+        return self._admin.healthy()
 
     def reserve(self, nbytes: int) -> Reservation | None:
-        """Not binding: the server is shared by every worker and admits each PUT on its own, so
+        """Not binding: the store is shared by every worker and admits each save on its own, so
         this only checks the room it has now (a transfer can still be rejected midway, and is
         then rolled back)."""
         return Reservation(self, 0) if self.free_bytes() >= nbytes else None
 
+    # -- the interface ----------------------------------------------------------------------
+
+    def header(self, key: PayloadKey) -> PayloadHeader | None:
+        return self.headers([key])[0]
+
+    def headers(self, keys: Sequence[PayloadKey]) -> list[PayloadHeader | None]:
+        out: list[PayloadHeader | None] = []
+        for start in range(0, len(keys), _HEADS_PER_CALL):
+            chunk = list(keys[start:start + _HEADS_PER_CALL])
+            names = [object_name(k) for k in chunk]
+            with self._heads_lock:
+                codes = self._store.get_into_ranges(
+                    [self._heads.ctypes.data], [names], [[[i * HEADER_BYTES] for i in range(len(chunk))]],
+                    [[[0]] * len(chunk)], [[[HEADER_BYTES]] * len(chunk)])
+                raw = self._heads[:len(chunk) * HEADER_BYTES].tobytes()
+            for i, (key, code) in enumerate(zip(chunk, codes[0])):
+                got = code[0]
+                if got == HEADER_BYTES:
+                    out.append(self._checked_header(key, raw[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]))
+                elif got in (_OBJECT_NOT_FOUND, _LEASE_EXPIRED, _INVALID_PARAMS):
+                    out.append(None)
+                else:
+                    raise TierUnavailableError(f"remote tier {self.address}: reading the header of {key} "
+                                               f"failed (Mooncake error {got})")
+        return out
+
+    def _checked_header(self, key: PayloadKey, raw: bytes) -> PayloadHeader | None:
+        """The stored header when it names ``key``; None (a miss, logged) when it is not a header of it."""
+        try:
+            header = PayloadHeader.unpack(raw)
+        except IntegrityError as exc:
+            log.warning("remote tier: object of %s has no valid header (%s); treated as a miss", key, exc)
+            return None
+        if header.key != key:
+            log.warning("remote tier: object of %s holds a header of %s; treated as a miss", key, header.key)
+            return None
+        return header
+
+    def keys(self) -> list[PayloadKey]:
+        """Every NexusKV payload the store holds; objects under NexusKV's prefix whose names are not
+        a payload's (another client's, a malformed descriptor id) are left out, with a warning."""
+        try:
+            names = self._admin.object_names()
+        except OSError as exc:
+            raise TierUnavailableError(f"remote tier {self.address}: cannot list objects: {exc}") from None
+        named: list[tuple[str, PayloadKey]] = []
+        foreign = 0
+        for name in names:
+            if not name.startswith(KEY_PREFIX):
+                continue
+            key = parse_object_name(name)
+            if key is None or object_name(key) != name:
+                foreign += 1
+            else:
+                named.append((name, key))
+        # The listing is one name per line: a name with a line break in it could pose as another.
+        held = self._store.batch_is_exist([name for name, _ in named]) if named else []
+        keys = [key for (_, key), there in zip(named, held) if there == 1]
+        foreign += len(named) - len(keys)
+        if foreign:
+            log.warning("remote tier: %d objects under %s are not named like NexusKV payloads; ignored",
+                        foreign, KEY_PREFIX)
+        return keys
+
+    def read_into(self, key: PayloadKey, out: torch.Tensor) -> PayloadHeader | None:
+        n = out.numel()
+        if out.dtype is not torch.uint8 or not out.is_contiguous():
+            raise ValueError(f"read_into {key}: needs a contiguous uint8 buffer, got {out.dtype}")
+        head = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        with self._host_target(out) as target:
+            got = self._store.batch_get_into_multi_buffers(
+                [object_name(key)], [[head.ctypes.data, target.data_ptr()]], [[HEADER_BYTES, n]])[0]
+            if got == _OBJECT_NOT_FOUND:
+                return None
+            if got == _INVALID_PARAMS:
+                raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
+            if got == _LEASE_EXPIRED:
+                raise IntegrityError(f"{key}: the read outlived its lease; its bytes may be torn")
+            if got != HEADER_BYTES + n and self._store.get_size(object_name(key)) not in (HEADER_BYTES + n, -704):
+                raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
+            if got != HEADER_BYTES + n:
+                raise TierUnavailableError(f"remote tier {self.address}: GET {key} failed (Mooncake error {got})")
+            header = PayloadHeader.unpack(head.tobytes())
+            if header.key != key or header.nbytes != n:
+                raise IntegrityError(f"payload header names {header.key} ({header.nbytes} bytes), not {key} "
+                                     f"({n} bytes)")
+            return header
+
     def commit_view(self, header: PayloadHeader, data: torch.Tensor,
                     reservation: Reservation | None = None) -> PayloadHandle:
-        status, meta = self._call(Op.PUT, header.pack(), data=host_view(data))
-        if status is Status.OK:
-            stored = PayloadHeader.unpack(meta) if len(meta) == HEADER_BYTES else header
-            return self._handle(stored)
-        reason = meta.decode(errors="replace")
-        if status is Status.FULL:
-            raise TierFullError(f"{self.label}: {reason}")
-        if status is Status.INTEGRITY:
-            raise IntegrityError(f"{self.label}: {reason}")
-        raise TierUnavailableError(f"{self.label}: server answered {status.name}: {reason}")
+        if data.device.type != "cpu":
+            raise ValueError(f"{self.label}: commit_view needs a host tensor, got one on {data.device}")
+        data = data.reshape(-1).contiguous()
+        if data.dtype is not torch.uint8:
+            data = data.view(torch.uint8)
+        verify_payload(header.key, header, host_view(data))  # IntegrityError: nothing is sent
+        head = np.frombuffer(header.pack(), dtype=np.uint8)
+        rc = self._store.batch_put_from_multi_buffers(
+            [object_name(header.key)], [[head.ctypes.data, data.data_ptr()]], [[HEADER_BYTES, header.nbytes]],
+            self._pin)[0]
+        if rc in (0, _OBJECT_ALREADY_EXISTS):  # an object already held is kept: the first copy wins
+            return self._handle(header)
+        if rc == _NO_AVAILABLE_HANDLE:
+            capacity, used = self._capacity()
+            raise TierFullError(f"{self.label}: remote tier full: {header.nbytes} bytes for {header.key} do not fit "
+                                f"({capacity - used} of {capacity} free)")
+        raise TierUnavailableError(f"{self.label}: PUT {header.key} failed (Mooncake error {rc})")
 
     def delete(self, key: PayloadKey) -> bool:
-        return self._call(Op.DELETE, pack_key(key))[0] is Status.OK
+        """Remove a payload; waits (up to ``timeout_s``) while a read's lease holds it."""
+        name = object_name(key)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            rc = self._store.remove(name)
+            if rc == 0:
+                return True
+            if rc == _OBJECT_NOT_FOUND:
+                return False
+            if rc not in _BUSY:
+                raise TierUnavailableError(f"remote tier {self.address}: DELETE {key} failed (Mooncake error {rc})")
+            if time.monotonic() > deadline:
+                raise TierUnavailableError(f"remote tier {self.address}: {key} is still being read after "
+                                           f"{self.timeout_s:.0f}s; not deleted")
+            time.sleep(0.02)
 
     def clear(self) -> None:
-        self._call(Op.CLEAR)
+        """Drop every NexusKV payload in the store at once, reads in progress or not (they fail
+        their checks rather than see other bytes)."""
+        rc = self._store.remove_by_regex(f"^{KEY_PREFIX}", True)
+        if rc < 0:
+            raise TierUnavailableError(f"remote tier {self.address}: clear failed (Mooncake error {rc})")
 
     def close(self) -> None:
-        with self._conns_lock:
-            conns, self._conns = self._conns, []
-        for sock in conns:
-            sock.close()
-        self._local = threading.local()
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._store.close()
         super().close()

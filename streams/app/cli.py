@@ -148,16 +148,16 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from streams.broker import open_bus
-    from streams.process import free_port
     from streams.app.services import start_services
+    from streams.remote_tier import local_address
     from streams.topics import ensure_topics
 
     stop = _Stop()
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
         print(f"nexuskv: bus at {url}; topics ready", flush=True)
-        # The remote tier server and the executors that use it must agree on its address.
-        remote = settings.remote_tier or f"tcp://127.0.0.1:{free_port()}"
+        # The remote tier's store and the executors that use it must agree on its address.
+        remote = settings.remote_tier or local_address()
         with start_services(url, settings, enabled=not args.no_workers, env={"NEXUSKV_REMOTE_TIER": remote}) as running:
             names = ", ".join(s.name for s in running) or "none"
             print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
@@ -178,8 +178,8 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from streams.app.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
     from analytics.report import report
     from streams.broker import open_bus
-    from streams.process import free_port
     from streams.app.services import SERVICES, start_services
+    from streams.remote_tier import local_address
     from streams.topics import ensure_topics
 
     if not args.trace.is_file():
@@ -190,7 +190,7 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests,
                           workers=args.workers, time_scale=args.time_scale, conversations=args.conversations,
                           gpu_pages=args.gpu_pages)
-    remote = f"tcp://127.0.0.1:{free_port()}"
+    remote = local_address()
     services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))

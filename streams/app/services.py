@@ -36,7 +36,7 @@ SERVICES: tuple[Service, ...] = (
     Service("index-api", "streams.index_api",
             "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
     Service("remote-tier", "streams.remote_tier",
-            "the remote tier: payloads held in its own process, served over TCP at NEXUSKV_REMOTE_TIER"),
+            "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
     Service("tier-manager", "streams.tier_manager",
             "owns this worker's tiers: admission and eviction by utility, pins, prefetch room, tier facts and "
             "prices; runs the transfer executor on them (results and timings)"),

@@ -1,7 +1,8 @@
 """Every tier backend: capacity, handles, checksummed reads, and what its capabilities say.
 
-The remote tier runs in its own process (``remote_backend`` fixture: ``python -m
-streams.remote_tier``); its capacity test uses a second, small server process.
+The remote tier is a real Mooncake Store (``remote_backend`` fixture: ``python -m
+streams.remote_tier`` starts its master and memory segment); its capacity test starts a second,
+small one.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from nexuskv.dataplane import (
     RemoteBackend,
     cuda_available,
 )
+from nexuskv.dataplane.payload import HEADER_BYTES
 from nexuskv.descriptor import Tier
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
-from streams.process import ManagedProcess, free_port
+from streams.process import ManagedProcess
+from streams.remote_tier import local_address
 
 DID = "sd1-" + "d" * 32
 KINDS = ["host", "device", "disk", "remote"]
@@ -59,7 +62,8 @@ def test_put_get_handles_and_accounting(backend):
     assert (handle.key, handle.nbytes, handle.checksum, handle.tier) == (h1.key, 4096, h1.checksum,
                                                                           backend.capabilities.tier)
     backend.put(h2, d2)
-    assert backend.used_bytes() == 5096 and backend.free_bytes() == free0 - 5096
+    per = _overhead(backend)
+    assert backend.used_bytes() == 5096 + 2 * per and backend.free_bytes() == free0 - 5096 - 2 * per
     assert sorted(backend.keys()) == sorted([h1.key, h2.key])
     assert backend.header(h1.key) == h1 and backend.contains(h2.key)
     got_header, got = backend.get(h2.key)
@@ -67,7 +71,13 @@ def test_put_get_handles_and_accounting(backend):
     out = torch.empty(4096, dtype=torch.uint8)
     assert backend.read_into(h1.key, out) == h1 and torch.equal(out, d1)
     assert backend.delete(h1.key) and not backend.delete(h1.key)
-    assert backend.used_bytes() == 1000
+    assert backend.used_bytes() == 1000 + per
+
+
+def _overhead(backend) -> int:
+    """Bytes a tier uses per payload beyond the payload: the store of the remote tier keeps the
+    128-byte header with the bytes and counts what it allocated."""
+    return HEADER_BYTES if backend.capabilities.tier is Tier.REMOTE else 0
 
 
 def test_missing_payloads_are_none(backend):
@@ -81,7 +91,7 @@ def test_the_first_copy_wins(backend):
     h, d = _payload(5)
     backend.put(h, d)
     backend.put(h, d)
-    assert backend.used_bytes() == h.nbytes and backend.keys() == [h.key]
+    assert backend.used_bytes() == h.nbytes + _overhead(backend) and backend.keys() == [h.key]
 
 
 def test_capabilities_say_what_the_tier_is(backend):
@@ -110,45 +120,49 @@ def test_a_full_tier_rejects_and_stores_nothing(kind, tmp_path):
         assert not b.path(rejected).exists()
 
 
-def _overfill(b, message: str) -> PayloadKey:
-    """Put 6,000 bytes into a 10,000-byte tier, then 6,000 more: rejected, nothing of it stored."""
-    h1, d1 = _payload(1, n=6000)
-    h2, d2 = _payload(2, n=6000)
+def _overfill(b, message: str, n: int = 6000) -> PayloadKey:
+    """Put ``n`` bytes into a tier with room for fewer than 2n, then n more: rejected, nothing of it stored."""
+    h1, d1 = _payload(1, n=n)
+    h2, d2 = _payload(2, n=n)
     b.put(h1, d1)
     with pytest.raises(TierFullError, match=message):
         b.put(h2, d2)
-    assert b.keys() == [h1.key] and b.used_bytes() == 6000
+    assert b.keys() == [h1.key] and b.used_bytes() == n + _overhead(b)
     return h2.key
 
 
-def test_a_full_remote_tier_process_rejects_and_stores_nothing(tmp_path):
-    address = f"tcp://127.0.0.1:{free_port()}"
+def test_a_full_remote_tier_store_rejects_and_stores_nothing(tmp_path):
+    """A 16 MiB store (Mooncake's smallest; its own Mooncake master and segment): a save that does not fit is refused
+    whole, the store evicts nothing to make room, and the next save still works."""
+    address = local_address()
+    env = dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES=str(16 << 20), NEXUSKV_DATA_DIR=str(tmp_path))
     proc = ManagedProcess([sys.executable, "-m", "streams.remote_tier", "--listen", address], name="small-remote",
-                          log_path=tmp_path / "remote.log", env=dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES="10000"))
+                          log_path=tmp_path / "remote.log", env=env)
     proc.start()
     try:
         b = _connect(address, proc)
-        assert b.capacity_bytes == 10_000
-        _overfill(b, "remote tier full")
+        assert b.capacity_bytes == 16 << 20
+        _overfill(b, "remote tier full", n=9_000_000)
         h3, d3 = _payload(3, n=100)
-        b.put(h3, d3)  # the connection is still in step after a rejected PUT
+        b.put(h3, d3)  # the client is still usable after a rejected save
         assert b.get(h3.key)[1].equal(d3)
+        assert b.header(PayloadKey(DID, 1)) is not None  # nothing was evicted to make room
         b.close()
     finally:
         proc.stop()
 
 
 def _connect(address: str, proc: ManagedProcess) -> RemoteBackend:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while True:
         try:
             return RemoteBackend(address, timeout_s=5)
         except TierUnavailableError:
             assert proc.alive() and time.monotonic() < deadline, proc.log_tail()
-            time.sleep(0.1)
+            time.sleep(0.2)
 
 
-def test_the_remote_server_refuses_bytes_that_do_not_match_their_header(remote_backend):
+def test_the_remote_tier_refuses_bytes_that_do_not_match_their_header(remote_backend):
     h, d = _payload(7)
     corrupt = d.clone()
     corrupt[100] ^= 0xFF
@@ -159,9 +173,9 @@ def test_the_remote_server_refuses_bytes_that_do_not_match_their_header(remote_b
 
 def test_an_unreachable_remote_tier_says_so():
     with pytest.raises(TierUnavailableError, match="cannot be reached"):
-        RemoteBackend(f"tcp://127.0.0.1:{free_port()}", timeout_s=1)
-    with pytest.raises(TierUnavailableError, match="tcp://host:port"):
-        RemoteBackend("http://nope")
+        RemoteBackend(local_address(), timeout_s=1)
+    with pytest.raises(TierUnavailableError, match="mooncake://host:port"):
+        RemoteBackend("tcp://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("kind", ["host", "device"])

@@ -281,7 +281,8 @@ def test_locations_this_worker_cannot_reach_fail_with_the_reason(tiers, executor
 
 
 def test_a_corrupt_payload_sent_to_the_remote_tier_is_refused_there(tiers, remote_backend):
-    """Into the remote tier the executor does not hash on the way: the server checks, and says so."""
+    """Into the remote tier the executor does not hash on the way: the remote backend checks before
+    it sends anything to the store, and says so."""
     ex = TransferExecutor(BackendCatalog(W, [*tiers.values(), remote_backend]))
     keys = [1, 2, 3]
     _stock(tiers[Tier.HOST], keys)
