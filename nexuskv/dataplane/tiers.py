@@ -34,9 +34,22 @@ decides with :mod:`nexuskv.admission`:
   prefetch as ``C_pollution`` instead of a flat constant.
 
 ``P(reuse)`` of a block is its use history (:class:`~nexuskv.admission.ReuseModel`): a save, a
-read, a transfer reading it as a source and a pin each count as a use. Its ``EG`` per tier comes
-from ``gains`` (the service derives it from the cost model); without one every tier is worth 1 s
-per block and utilities rank by reuse and bytes alone.
+read, a transfer reading it as a source and a pin each count as a use; a prefix parent is at least
+as likely to be reused as its likeliest child. Its ``EG`` per tier comes from ``gains`` (the
+service derives it from the cost model), valued when the block is admitted at the mean of the
+prompt it came with; without ``gains`` every tier is worth 1 s per block and utilities rank by
+reuse and bytes alone.
+
+**For engine adapters** (the vLLM connector's worker side, the SGLang storage backend): the
+adapter builds one manager over the tiers it writes, in its own process, with its publisher name,
+and calls :meth:`TierManager.save` with each block's :class:`SaveBlock` (payload key, bytes, and
+the :class:`~nexuskv.dataplane.tier_facts.BlockIdentity` the index keys it by: the adapter's
+publisher identity, the block's tokens, its parent's canonical key), then reports what it answered
+(a :class:`SaveOutcome`: saved, already held, refused with reasons, failed). It reads through
+:meth:`TierManager.read` (or counts a hit with :meth:`TierManager.touch`), deletes with
+:meth:`TierManager.evict`, and runs a :class:`streams.tier_manager.TierBus` on its bus loop for
+the hints addressed to it and its tier state; the manager's :class:`TierFacts` publishes its
+tier events (the adapter no longer emits them itself).
 
 Payloads found in a tier at start have no identity (it is not kept across processes): they are
 dropped by the first :meth:`TierManager.tick`.
