@@ -106,7 +106,12 @@ class SoakConfig:
     remote_blocks: int = 512  # the shared remote tier (its own server in ``up``)
     engine_rate_per_s: float = 4.0  # plan requests per engine per second (at most: one at a time)
     w0_rate_per_s: float = 1.0  # plan requests for soak-w0 per second
-    half_life_s: float = 30.0  # the tier managers' P(reuse) memory (short: the run is short)
+    # The tier managers' P(reuse) memory. It should be the time within which state is reused: minutes
+    # for real conversations (the default NEXUSKV_TIER_REUSE_HALF_LIFE is 600 s), about 2 s here,
+    # where a follow-up comes 2-8 requests (0.5-2 s) after its first turn. With 30 s, a first turn
+    # that got its follow-up (two uses) outranks every new prompt (one use) for a minute and most
+    # saves are refused.
+    half_life_s: float = 2.0
     sample_s: float = 5.0
     rss_growth: float = 0.25  # allowed growth of the last third's max RSS over the first third's, plus 48 MiB
     out: Path | None = None
@@ -145,6 +150,9 @@ class SoakResult:
         out = []
         if self.saves["failed"]:
             out.append(f"{self.saves['failed']} block saves failed")
+        attempted = self.saves["saved"] + self.saves["refused"]
+        if attempted and self.saves["refused"] > 0.2 * attempted:
+            out.append(f"{self.saves['refused']} of {attempted} new blocks refused: saves are not succeeding")
         if not self.saves["saved"]:
             out.append("nothing was saved")
         out += self.capacity_violations
@@ -725,6 +733,11 @@ def main(argv: list[str] | None = None) -> int:
     override = os.environ.get("NEXUSKV_BROKER")
 
     async def go(url: BrokerUrl) -> SoakResult:
+        # Ctrl-C or SIGTERM cancels the run, whose cleanup stops nexuskv up and the engines.
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
         return await run_soak(config, url, work)
 
     if override:
