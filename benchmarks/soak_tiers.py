@@ -510,7 +510,12 @@ def _service_processes(up: subprocess.Popen) -> dict[str, psutil.Process]:
     for child in psutil.Process(up.pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmd = child.cmdline()
-            name = cmd[cmd.index("-m") + 1] if "-m" in cmd else " ".join(cmd)[:60] or child.name()
+            if "-m" in cmd:
+                name = cmd[cmd.index("-m") + 1]
+            elif cmd and cmd[0].startswith("[Faust"):
+                name = next((f"faust {w}" for w in cmd if w.startswith("nexuskv-")), "faust worker")
+            else:
+                name = Path(cmd[0]).name if cmd else child.name()  # mooncake_master, mooncake_client
             out[name if name not in out else f"{name} ({child.pid})"] = child
     return out
 
