@@ -9,10 +9,20 @@ For each engine batch received in order (:mod:`connectors.zmq_events`), the brid
    publisher's identity, its *incarnation* and the engine's own sequence number;
 3. publishes it keyed by publisher, so one publisher's batches stay ordered on one partition.
 
+Clears concern the engine's own memory only. vLLM's ``AllBlocksCleared`` (a prefix-cache reset)
+empties its GPU cache and nothing else (vLLM's own CPU offload tier keeps its blocks), so it
+becomes ``cleared`` of the GPU tier, and whatever else the publisher announced stays. SGLang's
+empties its radix caches, device and host, which are everything its engine publisher announces
+(its storage tier's pages are the HiCache backend's, a publisher of their own), so it stays a
+clear of the publisher (:data:`ENGINE_CLEARS`).
+
 Restarts: a lower sequence number means the engine restarted. The bridge gives it a new
-incarnation (a nanosecond timestamp, so incarnations grow) and, by default, starts the new
-incarnation with ``cleared`` (a restarted vLLM or SGLang engine has an empty cache); the index
-fences the old incarnation's facts.
+incarnation (a nanosecond timestamp, so incarnations grow) and starts the new incarnation with
+``cleared`` of every tier: a restarted engine's state is known — nothing of what its process
+published survives it — and the index, which treats a new incarnation as uncertain, is certain
+again at once. Blocks in tiers that outlive the engine process are not the engine's to announce:
+their writer publishes them under an identity that outlives it (the vLLM connector's tier
+publisher, ``<worker>/disk``), so neither a restart nor a reset touches them.
 
 Failures lose nothing silently: a payload that cannot be decoded or keyed (an unknown medium,
 token ids that do not fill the blocks) goes to ``nexuskv.dead-letter`` with its reason and is
@@ -50,6 +60,7 @@ from streams.process import stop_on_signals
 
 __all__ = [
     "DEFAULT_MEDIUMS",
+    "ENGINE_CLEARS",
     "BridgeConfig",
     "EventBridge",
     "publisher_name",
@@ -74,6 +85,10 @@ DEFAULT_MEDIUMS: dict[str, Tier] = {
 }
 
 
+#: The tiers an engine's ``AllBlocksCleared`` empties (None: all of the publisher's).
+ENGINE_CLEARS: dict[str, tuple[Tier | None, ...]] = {"vllm": (Tier.GPU,), "sglang": (None,)}
+
+
 def tier_of(medium: str | None, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS) -> Tier:
     """The tier of an engine medium; None (older engines) is the GPU pool."""
     if medium is None:
@@ -96,8 +111,12 @@ def publisher_name(engine: Engine, topic: str, dp_rank: int | None, fallback: st
 
 def translate(batch: EngineBatch, *, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
               default_block_size: int, mediums: Mapping[str, Tier] = DEFAULT_MEDIUMS,
-              cleared_first: bool = False) -> KvEventBatch:
-    """One decoded engine batch as a NexusKV batch; ContractError when an event cannot be keyed."""
+              cleared_first: bool = False, clears: tuple[Tier | None, ...] = ENGINE_CLEARS["vllm"]) -> KvEventBatch:
+    """One decoded engine batch as a NexusKV batch; ContractError when an event cannot be keyed.
+
+    ``cleared_first`` starts it with a clear of every tier (a new incarnation); the engine's own
+    clears become clears of ``clears``.
+    """
     events: list[BlockStored | BlockRemoved | AllCleared] = [AllCleared()] if cleared_first else []
     for i, e in enumerate(batch.events):
         where = f"events[{i}]"
@@ -116,7 +135,7 @@ def translate(batch: EngineBatch, *, publisher: str, incarnation: int, seq: int,
             events.append(BlockRemoved(engine_hashes=e.block_hashes, tier=tier_of(e.medium, mediums),
                                        group=e.group_idx or 0))
         elif isinstance(e, EngineCleared):
-            events.append(AllCleared())
+            events.extend(AllCleared(tier=t) for t in clears)
     return KvEventBatch(publisher=publisher, incarnation=incarnation, seq=seq, ts=batch.ts, identity=identity,
                         events=tuple(events))
 
@@ -128,7 +147,6 @@ class BridgeConfig:
     name: str = "engine"  # publisher name when the topic is free-form
     default_block_size: int = 16
     mediums: Mapping[str, Tier] = field(default_factory=lambda: dict(DEFAULT_MEDIUMS))
-    restart_clears: bool = True
     state_file: Path | None = None  # where incarnations and resume points survive a bridge restart
 
 
@@ -164,10 +182,11 @@ class EventBridge:
         state.next_seq = raw.seq + 1
         batch = decode_engine_batch(raw.payload, self.config.engine)
         publisher = publisher_name(self.config.engine, raw.topic, batch.data_parallel_rank, self.config.name)
-        restarted = new_incarnation and self.config.restart_clears and (raw.seq == 0 or raw.restart)
+        restarted = new_incarnation and (raw.seq == 0 or raw.restart)
         return translate(batch, publisher=publisher, incarnation=state.incarnation, seq=raw.seq,
                          identity=self.config.identity, default_block_size=self.config.default_block_size,
-                         mediums=self.config.mediums, cleared_first=restarted)
+                         mediums=self.config.mediums, cleared_first=restarted,
+                         clears=ENGINE_CLEARS[self.config.engine])
 
     async def run(self, subscriber: KvEventSubscriber, producer: AIOKafkaProducer, *,
                   stop: asyncio.Event | None = None) -> None:
@@ -239,14 +258,15 @@ async def _serve(args: argparse.Namespace, url: BrokerUrl) -> None:
 
     state = Path(args.state_file) if args.state_file else None
     config = BridgeConfig(engine=args.engine, identity=_identity(args), name=args.name,
-                          default_block_size=args.block_size, mediums=_mediums(args.medium),
-                          restart_clears=not args.keep_on_restart, state_file=state)
+                          default_block_size=args.block_size, mediums=_mediums(args.medium), state_file=state)
     bridge = EventBridge(config)
     subscriber = KvEventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint, topic_prefix=args.topic,
                                    bind=args.bind, resume=bridge.resume_points())
     producer = make_producer(url, client_id=f"kv-bridge-{args.name}")
     stop = stop_on_signals()
     await producer.start()
+    log.info("bridge ready: %s events from %s to %s, resuming at %s", args.engine, args.endpoint, url,
+             bridge.resume_points() or "the engine's next batch")
     try:
         await bridge.run(subscriber, producer, stop=stop)
     finally:
@@ -264,12 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to")
     ap.add_argument("--name", default="engine", help="publisher name when the topic is not kv@pod@model")
     ap.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="a known model (nexuskv.models)")
-    ap.add_argument("--descriptor", default=None, help="a StateDescriptor JSON file (instead of --model)")
+    ap.add_argument("--descriptor", default=None,
+                    help="a StateDescriptor JSON file (instead of --model), e.g. from `nexuskv descriptor`")
     ap.add_argument("--tenant", default="default")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--medium", action="append", default=[], help="extra medium mapping NAME=TIER")
-    ap.add_argument("--keep-on-restart", action="store_true",
-                    help="do not clear a restarted engine's facts (its offload tiers survive restarts)")
     ap.add_argument("--state-file", default=None)
     args = ap.parse_args(argv)
     settings = Settings.from_env()

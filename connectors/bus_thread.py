@@ -11,31 +11,77 @@ offers them thread-safely:
   whose ``lag_ms`` is infinite, so nothing is moved on it;
 * :attr:`model` — the latest cost-model snapshot (an immutable value, read without a lock);
 * :meth:`publish` — send a :class:`~nexuskv.contracts.kv_events.KvEventBatch` keyed by its
-  publisher, waiting for the acknowledgement (a publisher's batches stay in order).
+  publisher, waiting for the acknowledgement (a publisher's batches stay in order);
+* :meth:`send` — any record to its topic and key (:func:`streams.topic_keys.route`, or the topic and
+  key given), without waiting: observations and decision records, which must never hold up the
+  engine's thread; a failed send is logged and counted (``send_failures``), never raised.
+
+:class:`BackgroundProducer` is the same loop with a producer only, for processes that publish but
+never look anything up (a vLLM worker process publishing its tier's facts and its timings).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 from nexuskv.config import BrokerUrl
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.kv_events import KvEventBatch
-from nexuskv.contracts.topics import KV_EVENTS
+from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.cost import CostModel
 from nexuskv.errors import BrokerError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
 from nexuskv.profiles import shipped_cost_model
 
-__all__ = ["BackgroundBus"]
+__all__ = ["BackgroundBus", "BackgroundProducer"]
+
+log = logging.getLogger(__name__)
 
 
-class BackgroundBus:
+class _Sender:
+    """Sending records from a plain thread through a producer on the loop thread."""
+
+    _loop: asyncio.AbstractEventLoop
+    _producer: object
+    client_id: str
+
+    def _init_sender(self) -> None:
+        self.send_failures = 0
+
+    async def _send(self, record: Contract, topic: Topic | None, key: str | None) -> None:
+        from streams.bus import send
+        from streams.topic_keys import route
+
+        if self._producer is None:
+            raise BrokerError(f"{self.client_id}: the bus is not started")
+        if topic is None or key is None:
+            topic, key = route(record)
+        await send(self._producer, topic, key, record)  # type: ignore[arg-type]
+
+    def _sent(self, future: concurrent.futures.Future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.send_failures += 1
+            log.warning("%s: a record was not sent: %s", self.client_id, exc)
+
+    def send(self, record: Contract, *, topic: Topic | None = None, key: str | None = None, wait: bool = False,
+             timeout_s: float = 30.0) -> None:
+        """Send ``record`` (to its routed topic and key unless both are given); ``wait`` for the ack."""
+        future = asyncio.run_coroutine_threadsafe(self._send(record, topic, key), self._loop)
+        if wait:
+            future.result(timeout_s)
+        else:
+            future.add_done_callback(self._sent)
+
+
+class BackgroundBus(_Sender):
     """Index replica, cost-model replica and producer on a loop thread; start, use, stop."""
 
     def __init__(self, url: BrokerUrl, *, client_id: str, secret: bytes = b"", max_memberships: int = 16_000_000,
@@ -55,6 +101,7 @@ class BackgroundBus:
         self._costs = None
         self._producer = None
         self._cost_task: asyncio.Task | None = None
+        self._init_sender()
 
     def _call(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -132,6 +179,48 @@ class BackgroundBus:
         if self._thread.is_alive():
             try:
                 self._call(self._stop(), 30.0)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10.0)
+        if not self._loop.is_running():
+            self._loop.close()
+
+
+class BackgroundProducer(_Sender):
+    """A producer on a loop thread of its own: :meth:`send` from any thread; start, use, stop."""
+
+    def __init__(self, url: BrokerUrl, *, client_id: str) -> None:
+        self.url = url
+        self.client_id = client_id
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{client_id}-producer", daemon=True)
+        self._producer = None
+        self._init_sender()
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundProducer:
+        from streams.bus import make_producer
+
+        async def _start() -> None:
+            self._producer = make_producer(self.url, client_id=self.client_id)
+            await self._producer.start()
+
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(_start(), self._loop).result(timeout_s + 5.0)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            async def _stop() -> None:
+                if self._producer is not None:
+                    await self._producer.stop()
+            try:
+                asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(30.0)
+            except Exception as exc:  # noqa: BLE001 - stopping: report and go on
+                log.warning("%s: stopping the producer: %s", self.client_id, exc)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=10.0)

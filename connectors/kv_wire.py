@@ -19,6 +19,14 @@ SGLang   block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
          (0.5.18: ``{"cache_salt": str}`` on salted stores)
 =======  ====================================================================================
 
+SGLang's EAGLE speculative decoding keys its radix tree by *bigrams*: a page's ``token_ids`` are
+pairs ``[t_i, t_i+1]`` (SGLang ``mem_cache/events.py``), which chain (each pair's second token
+is the next pair's first). Such a page is decoded as its first tokens, and each block gets the
+extra key ``("sglang-eagle-next", t)``, ``t`` the token after the block that its last pair adds:
+an EAGLE page holds the draft model's state for the next token too, and SGLang's own page hash
+covers both tokens, so its blocks key apart from a plain engine's. Pairs that do not chain are
+a :class:`~nexuskv.errors.ContractError`.
+
 Hashes are normalised to unsigned 64-bit ints: an int (vLLM's unsigned low 64 bits, SGLang's
 signed high 64 bits) modulo 2**64; 32-byte digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)
 by their last 8 bytes big-endian, as llm-d and Dynamo do. Anything else is a
@@ -43,6 +51,7 @@ __all__ = [
     "EngineBatch",
     "decode_engine_batch",
     "normalise_hash",
+    "EAGLE_NEXT",
 ]
 
 Engine = Literal["vllm", "sglang"]
@@ -53,6 +62,8 @@ _VLLM_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", 
                 "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 _SGLANG_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "metadata")
 _REMOVED = ("block_hashes", "medium", "group_idx")
+#: The extra key of an EAGLE (bigram) block: ``(EAGLE_NEXT, token after the block)``.
+EAGLE_NEXT = "sglang-eagle-next"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,20 +193,19 @@ def _stored(f: dict[str, Any], where: str) -> EngineStored:
     hashes = _hashes(f, where)
     if "token_ids" not in f or "block_size" not in f:
         raise ContractError(f"{where}: BlockStored needs token_ids and block_size")
-    tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ContractError(f"{where}.token_ids: expected an array of ints")
-    if any(not 0 <= t < (1 << 32) for t in tokens):
-        raise ContractError(f"{where}.token_ids: ids must be in [0, 2**32)")
     block_size = f["block_size"]
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
         raise ContractError(f"{where}.block_size: expected a non-negative int")
+    tokens, next_tokens = _token_ids(f["token_ids"], block_size, len(hashes), where)
     parent = f.get("parent_block_hash")
     extra = f.get("extra_keys")
     if extra is not None:
         if not isinstance(extra, list) or len(extra) != len(hashes):
             raise ContractError(f"{where}.extra_keys: expected one entry per block")
         extra = tuple(_freeze(e) for e in extra)
+    if next_tokens is not None:
+        eagle = tuple((EAGLE_NEXT, t) for t in next_tokens)
+        extra = eagle if extra is None else tuple(e if x is None else (x, e) for x, e in zip(extra, eagle))
     metadata = f.get("metadata")
     salt = f.get("cache_salt")
     if salt is None and isinstance(metadata, dict):
@@ -216,6 +226,31 @@ def _stored(f: dict[str, Any], where: str) -> EngineStored:
         sliding_window=_opt_int(f, "kv_cache_spec_sliding_window", where),
         cache_salt=salt,
     )
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (1 << 32)
+
+
+def _token_ids(raw: Any, block_size: int, blocks: int, where: str) -> tuple[list[int], list[int] | None]:
+    """Plain token ids, or EAGLE bigram pairs as (first tokens, the token after each block)."""
+    if not isinstance(raw, list):
+        raise ContractError(f"{where}.token_ids: expected an array of ints")
+    if not raw or not isinstance(raw[0], list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raise ContractError(f"{where}.token_ids: expected an array of ints or of [int, int] pairs")
+        if not all(_is_id(t) for t in raw):
+            raise ContractError(f"{where}.token_ids: ids must be in [0, 2**32)")
+        return raw, None
+    if not all(isinstance(p, list) and len(p) == 2 and _is_id(p[0]) and _is_id(p[1]) for p in raw):
+        raise ContractError(f"{where}.token_ids: EAGLE bigrams must be [int, int] pairs of ids in [0, 2**32)")
+    if any(raw[i][1] != raw[i + 1][0] for i in range(len(raw) - 1)):
+        raise ContractError(f"{where}.token_ids: EAGLE bigrams do not chain (a pair's second token is not the "
+                            "next pair's first)")
+    if block_size < 1 or len(raw) != blocks * block_size:
+        raise ContractError(f"{where}.token_ids: {len(raw)} EAGLE bigrams do not fill {blocks} blocks of "
+                            f"{block_size}")
+    return [p[0] for p in raw], [raw[(i + 1) * block_size - 1][1] for i in range(blocks)]
 
 
 def _hashes(f: dict[str, Any], where: str) -> tuple[int, ...]:

@@ -17,13 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nexuskv.errors import ConfigError
 
 _STORE_ADDRESS = re.compile(r"^mooncake://(\[[^\]]+\]|[^:/?\[\]]+):([0-9]{1,5})(\?admin=([0-9]{1,5}))?/?$")
 
-__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "setting_rows"]
+__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "parse_publisher_keys", "setting_rows",
+           "MIN_SHARED_SECRET"]
+
+#: Fewest bytes of a secret that keys tenants apart (identity) or authenticates publishers (bus).
+MIN_SHARED_SECRET = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,24 @@ def parse_api_tokens(text: str) -> dict[str, str]:
     return out
 
 
+def parse_publisher_keys(text: str) -> dict[str, bytes]:
+    """``publisher=hexkey[,publisher=hexkey...]`` (keys of 64 hex digits, as ``nexuskv publisher-key``
+    prints them) to a mapping; a defect raises ValueError naming the entry, never echoing a key."""
+    out: dict[str, bytes] = {}
+    for i, part in enumerate(p for p in (text or "").split(",") if p.strip()):
+        name, sep, key = part.strip().rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"entry {i + 1} is not publisher=key")
+        try:
+            raw = bytes.fromhex(key.strip())
+        except ValueError:
+            raise ValueError(f"entry {i + 1}: the key is not hex") from None
+        if len(raw) != 32:
+            raise ValueError(f"entry {i + 1}: the key must be 32 bytes (64 hex digits)")
+        out[name] = raw
+    return out
+
+
 def _env(name: str, doc: str, default: Any, **kw: Any) -> Any:
     return Field(default, description=doc, json_schema_extra={"env": name}, **kw)
 
@@ -102,9 +124,27 @@ class Settings(BaseModel):
     identity_secret: str = _env(
         "NEXUSKV_IDENTITY_SECRET",
         "Secret (up to 64 bytes) keying every tenant scope's block keys; keep it the same on every "
-        "service of a deployment. Empty: keys are still per tenant, but computable offline.",
+        "service of a deployment. Empty: keys are still per tenant, but computable offline, so a deployment "
+        "with more than one tenant (index API tokens naming two or more tenants) refuses to start without one "
+        "of at least 16 bytes.",
         "",
         max_length=64,
+    )
+    bus_secret: str = _env(
+        "NEXUSKV_BUS_SECRET",
+        "Secret (16-256 bytes) that authenticates kv-events publishers: each publisher signs its batches "
+        "with a key derived from it and its name, and the index worker and every index replica drop (and "
+        "dead-letter) a batch that is unsigned or signed for another publisher. Empty: batches are not "
+        "authenticated.",
+        "",
+        max_length=256,
+    )
+    publisher_keys: str = _env(
+        "NEXUSKV_PUBLISHER_KEYS",
+        "Signing keys of the publishers this process sends for, `publisher=hexkey[,...]` (from `nexuskv "
+        "publisher-key NAME`), for engine hosts that should not hold NEXUSKV_BUS_SECRET. Used before the "
+        "bus secret.",
+        "",
     )
     data_dir: Path = _env(
         "NEXUSKV_DATA_DIR", "Folder for local state: index snapshots, tier files, DuckDB.", Path(".nexuskv")
@@ -222,7 +262,8 @@ class Settings(BaseModel):
     )
     policy_file: Path | None = _env(
         "NEXUSKV_POLICY_FILE",
-        "Execution policy (`nexuskv.execution_policy.v1`, TOML or JSON; example: `infra/policy/default.toml`). "
+        "Execution policy (`nexuskv.execution_policy.v1`, TOML or JSON; example: `infra/policy/default.toml`); "
+        "a TOML file must end with the line `# end of policy` (a file cut short is refused). "
         "Unset: the built-in defaults. Invalid at start: the service stops naming every bad field; invalid on "
         "reload: the last valid policy stays in force.",
         None,
@@ -291,6 +332,32 @@ class Settings(BaseModel):
             raise ValueError(f"unknown logging level {value!r}")
         return level
 
+    @field_validator("bus_secret")
+    @classmethod
+    def _bus_secret(cls, value: str) -> str:
+        if value and len(value.encode("utf-8")) < MIN_SHARED_SECRET:
+            raise ValueError(f"must be empty or at least {MIN_SHARED_SECRET} bytes")
+        return value
+
+    @field_validator("publisher_keys")
+    @classmethod
+    def _publisher_keys(cls, value: str) -> str:
+        parse_publisher_keys(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _tenants_need_a_secret(self) -> Settings:
+        # Decision (issue 13): refuse rather than generate one. A generated secret would have to
+        # reach every bridge and connector of the deployment, or their keys silently stop matching
+        # (no reuse at all); an operator who sets one knows to hand it out.
+        tenants = set(self.api_tokens.values())
+        if len(tenants) > 1 and len(self.identity_secret.encode("utf-8")) < MIN_SHARED_SECRET:
+            raise ConfigError("NEXUSKV_IDENTITY_SECRET", (
+                f"the index API tokens name {len(tenants)} tenants; a deployment with more than one tenant needs "
+                f"an identity secret of at least {MIN_SHARED_SECRET} bytes, or anyone can compute another "
+                "tenant's block keys"))
+        return self
+
     @field_validator("index_api_tokens")
     @classmethod
     def _tokens(cls, value: str) -> str:
@@ -301,6 +368,15 @@ class Settings(BaseModel):
     def api_tokens(self) -> dict[str, str]:
         """Bearer token -> tenant namespace."""
         return parse_api_tokens(self.index_api_tokens)
+
+    @property
+    def bus_secret_bytes(self) -> bytes:
+        return self.bus_secret.encode("utf-8")
+
+    @property
+    def publisher_key_map(self) -> dict[str, bytes]:
+        """Publisher name -> its signing key, from NEXUSKV_PUBLISHER_KEYS."""
+        return parse_publisher_keys(self.publisher_keys)
 
     @property
     def broker_url(self) -> BrokerUrl | None:
@@ -326,6 +402,9 @@ class Settings(BaseModel):
             raise exc from None
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, ConfigError):  # a check across fields names its own variable
+                raise ConfigError(cause.field, cause.message) from None
             field = str(err["loc"][0]) if err.get("loc") else "settings"
             info = cls.model_fields.get(field)
             name = _env_name(info) if info is not None else field
@@ -337,7 +416,7 @@ def _env_name(info: Any) -> str:
     return str(extra["env"])
 
 
-_SECRETS = frozenset({"identity_secret", "index_api_tokens"})  # never echoed in an error
+_SECRETS = frozenset({"identity_secret", "index_api_tokens", "bus_secret", "publisher_keys"})  # never echoed in an error
 
 
 def _short(err: Mapping[str, Any], *, secret: bool = False) -> str:

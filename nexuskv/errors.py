@@ -6,7 +6,8 @@
     ├── ConfigError            a setting or policy field is invalid; ``.field`` names it
     │   └── PolicyError        an execution policy file is invalid; ``.errors`` lists every field
     ├── ContractError          a wire payload or descriptor does not satisfy its contract
-    │   └── SchemaVersionError the payload's schema version is not one this build reads
+    │   ├── SchemaVersionError the payload's schema version is not one this build reads
+    │   └── UnauthenticatedError a record's signature is missing or not its publisher's
     ├── IdentityError          tokens or scope cannot produce a canonical block key
     ├── IncompatibleStateError state exists but may not be reused; ``.reason`` says why
     ├── BrokerError            the event bus could not be reached, started or stopped
@@ -26,6 +27,7 @@ __all__ = [
     "PolicyError",
     "ContractError",
     "SchemaVersionError",
+    "UnauthenticatedError",
     "IdentityError",
     "IncompatibleStateError",
     "BrokerError",
@@ -84,6 +86,10 @@ class ContractError(NexusKVError, ValueError):
 
 class SchemaVersionError(ContractError):
     """The payload declares a schema version this build does not read."""
+
+
+class UnauthenticatedError(ContractError):
+    """A record that must be signed is unsigned, or signed with another key than its publisher's."""
 
 
 class IdentityError(NexusKVError, ValueError):

@@ -11,10 +11,17 @@ publishers' equal engine hashes mean nothing. Token-less *tier events* (a known 
 host memory or on disk) and removals resolve through that map; hashes the map does not know are
 counted (``unresolved_blocks``, ``unknown_removals``) and otherwise ignored, so they can never
 create or delete another block. A publisher's map entry lives while the publisher holds the block
-in some tier.
+in some tier: an entry whose block the publisher no longer holds anywhere is gone, whichever
+way the block left (removal, clear, another hash taking its place, forgetting).
 
-**Scope isolation.** Every block is stored with its scope id and found only by a lookup in that
-same scope: a caller of one tenant that presents another tenant's keys gets misses.
+**Pre-keyed blocks.** :class:`KeyedBlocks` events carry canonical keys computed at the edge (16
+bytes each) instead of token ids: the index stores them as given, with no parent to resolve.
+:meth:`GlobalIndex.apply_events` takes them beside the wire contract's events.
+
+**Scope isolation.** Every block is stored under its scope and found only by a lookup in that
+same scope: a caller of one tenant that presents another tenant's keys gets misses, and the
+same work as for keys that exist nowhere (the core mixes each key with its scope's salt before
+it picks a bucket, so a foreign key probes an unrelated bucket; :mod:`nexuskv.index_core`).
 
 **Scoping of removals.** A removal touches one publisher's one (tier, group); a clear one
 publisher's facts (one tier's, when the clear names a tier). Another publisher's or another
@@ -26,54 +33,107 @@ match it contributes is ``certain=False``, a miss for the planner) until it resy
 ``AllCleared`` or a clean ``Snapshot``. **Checkpoints** (one per stream partition) are in the
 format of :mod:`nexuskv.index_checkpoint`.
 
-**Memory.** Blocks live in a :class:`~nexuskv.keytable.KeyTable` (128-bit key, scope id, an
-interned location-set id and a reference count: 24 bytes a slot) and the engine-hash map in a
-second one (mixed hash, publisher id, block slot: 16 bytes a slot), both kept between ~53% and
-80% full. ``max_memberships`` bounds the (block, location) memberships; past it the index
+**Memory.** The storage is :mod:`nexuskv.index_core`'s (the native core by default: 128-bit
+mixed key, scope, location-set id and block id per table slot, an 8-byte id record per block, a
+16-byte entry per engine hash, a 4-byte member-list entry per membership; tables kept between 60%
+and 90% full). ``max_memberships`` bounds the (block, location) memberships; past it the index
 *forgets* blocks with the ``sweep`` policy: it walks the block table from a rotating cursor (slot
-order is hash order, so this is a uniform sample of blocks, whatever their age) and drops whole
-blocks, with their memberships and engine-map entries, until it is 1/16 below the bound. Forgotten
-memberships and blocks are counted; a forgotten fact is a miss, never a wrong hit. Note that when
-forgetting happens, which blocks are forgotten depends on the order in which publishers' batches
-arrived.
+order is a seeded hash order, so this is a uniform sample of blocks, whatever their age) and
+drops whole blocks until it is 1/16 below the bound. Forgotten memberships and blocks are
+counted; a forgotten fact is a miss, never a wrong hit. Note that when forgetting happens, which
+blocks are forgotten depends on the order in which publishers' batches arrived.
+
+**Bounded side tables.** A scope lives while it holds a block (vLLM's cache salt is per request:
+every salt is a scope); past ``max_scopes`` live scopes the least recently used 1/16 of them are
+forgotten with their blocks (counted as forgotten). Keyers are cached for the 256 most recent
+(scope, block size) pairs.
+
+**Cost.** Every operation costs what it touches: a store, removal or tier event its blocks; a
+clear the memberships it removes (per-location member lists), never the whole index; a lookup
+its keys. Growing a table (1.5x at a time) is the exception: amortised, but the one apply that
+triggers it pays for the rebuild — ~80 ms of CPU at 1M blocks here, in proportion beyond —
+unless ``expected_blocks`` sized the block table up front.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections import OrderedDict
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity, Snapshot
+from nexuskv.contracts.kv_events import (
+    MAX_BLOCKS_PER_EVENT,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    PublisherIdentity,
+    Snapshot,
+)
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import IdentityError
-from nexuskv.identity import BlockKeyer, IdentityScope, digest_array, key_array
+from nexuskv.identity import KEY_BYTES, BlockKeyer, IdentityScope
 from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
 from nexuskv.index_checkpoint import decode as decode_checkpoint
 from nexuskv.index_checkpoint import encode as encode_checkpoint
-from nexuskv.keytable import KeyTable
-from nexuskv.locsets import LocationSets
+from nexuskv.index_core import make_core, resolve_backend
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
-__all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "FORGET_POLICY", "CHECKPOINT_VERSION"]
+__all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "KeyedBlocks", "FORGET_POLICY",
+           "CHECKPOINT_VERSION"]
 
 FORGET_POLICY = "sweep"
-_MIX_PUB = 0x9E3779B97F4A7C15
-_MIX_MUL = 0xBF58476D1CE4E5B9
-_MIX_INV = pow(_MIX_MUL, -1, 1 << 64)
-_U64 = np.uint64
 _MATCH_CACHE_MAX = 1 << 16
+_KEYER_CACHE_MAX = 256
+_EVENT_SCOPE_CACHE_MAX = 256
+MAX_SCOPES = 65_535  # the core stores scope ids in 16 bits
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedBlocks:
+    """Stored blocks whose canonical keys were computed at the edge: no token ids, no parent.
+
+    ``keys``: ``n`` 16-byte big-endian digests (:meth:`BlockKeyer.digests` joined), or an
+    ``(n, 2)`` uint64 array [high, low]. ``engine_hashes``: ``n`` ints, ``n * 8`` little-endian
+    bytes, or a uint64 array. The scope is the batch identity's with the overrides given here,
+    as for :class:`~nexuskv.contracts.kv_events.BlockStored`.
+    """
+
+    engine_hashes: Sequence[int] | bytes | np.ndarray
+    keys: bytes | np.ndarray
+    tier: Tier = Tier.GPU
+    group: int = 0
+    tenant_namespace: str | None = None
+    lora: str | None = None
+    cache_salt: str | None = None
+
+    def __len__(self) -> int:
+        keys = self.keys
+        return len(keys) // KEY_BYTES if isinstance(keys, (bytes, bytearray, memoryview)) else len(keys)
+
+    def check(self) -> None:
+        n = len(self)
+        hashes = self.engine_hashes
+        m = len(hashes) // 8 if isinstance(hashes, (bytes, bytearray, memoryview)) else len(hashes)
+        if isinstance(self.keys, (bytes, bytearray, memoryview)) and len(self.keys) % KEY_BYTES:
+            raise ValueError(f"KeyedBlocks.keys: {len(self.keys)} bytes is not a whole number of 16-byte keys")
+        if not 1 <= n <= MAX_BLOCKS_PER_EVENT or n != m:
+            raise ValueError(f"KeyedBlocks: {n} keys for {m} engine hashes (1 to {MAX_BLOCKS_PER_EVENT} each)")
+        if not 0 <= self.group <= 1024:
+            raise ValueError(f"KeyedBlocks.group: {self.group} is not in [0, 1024]")
 
 
 @dataclass(frozen=True, slots=True)
 class ApplyOutcome:
     """What :meth:`GlobalIndex.apply` did with one batch."""
 
-    status: Literal["applied", "duplicate", "stale"]
+    status: Literal["applied", "duplicate", "stale", "refused"]
     block_ops: int  # blocks stored or removed by the batch (0 unless applied)
     uncertain: bool  # the publisher is uncertain after this batch
 
@@ -85,6 +145,7 @@ class IndexStats:
     batches_applied: int
     duplicate_batches: int
     stale_batches: int
+    refused_batches: int  # beyond the bounded sequence or incarnation jump (nexuskv.publishers)
     gaps: int
     resyncs: int
     blocks_stored: int
@@ -100,6 +161,10 @@ class IndexStats:
     uncertain_publishers: int
     max_memberships: int
     nbytes: int
+    scopes: int = 0  # live identity scopes (each holds at least one block)
+    forgotten_scopes: int = 0  # scopes forgotten past max_scopes
+    backend: str = "native"
+    core_nbytes: int = 0  # the storage core's share of nbytes (native: exactly its allocated capacity)
 
 
 @dataclass(slots=True)
@@ -107,12 +172,14 @@ class _Counters:
     batches_applied: int = 0
     duplicate_batches: int = 0
     stale_batches: int = 0
+    refused_batches: int = 0
     blocks_stored: int = 0
     blocks_removed: int = 0
     unresolved_blocks: int = 0
     unknown_removals: int = 0
     forgotten_memberships: int = 0
     forgotten_blocks: int = 0
+    forgotten_scopes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,34 +191,93 @@ class _Location:
     order: tuple[str, str, int]
 
 
-class GlobalIndex:
-    """Canonical blocks by location, per identity scope; see the module docstring."""
+def _derive(secret: bytes, seed: bytes | None) -> tuple[bytes, bytes]:
+    """(core seed, scope-salt key): from ``seed`` when given, else from the identity secret."""
+    base = seed if seed is not None else hashlib.blake2b(secret, digest_size=32, person=b"nexuskv-ixseed").digest()
+    core_seed = hashlib.blake2b(base, digest_size=32, person=b"nexuskv-ixcore").digest()
+    salt_key = hashlib.blake2b(base, digest_size=32, person=b"nexuskv-ixsalt").digest()
+    return core_seed, salt_key
 
-    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"") -> None:
+
+class GlobalIndex:
+    """Canonical blocks by location, per identity scope; see the module docstring.
+
+    ``backend``: ``"native"`` (``nexuskv._native``), ``"python"``
+    (:class:`~nexuskv.index_core.PyCore`; same answers) or ``"auto"`` (the default: native when
+    built, else python with a warning). ``seed``: randomness for the tables'
+    hash functions and the scopes' salts (services pass ``os.urandom(32)``; default: derived
+    from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
+    are forgotten. ``expected_blocks``: size the block table for that many blocks up front (about
+    40 bytes each, allocated lazily by the OS), so no apply below it pays for growing the table.
+    """
+
+    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "auto",
+                 seed: bytes | None = None, max_scopes: int = MAX_SCOPES, expected_blocks: int = 0) -> None:
         if max_memberships < 1:
             raise ValueError("max_memberships must be positive")
+        if not 1 <= max_scopes <= MAX_SCOPES:
+            raise ValueError(f"max_scopes must be in [1, {MAX_SCOPES}]")
         self.max_memberships = max_memberships
+        self.max_scopes = max_scopes
+        self.backend = resolve_backend(backend)
         self._secret = secret
-        self._blocks = KeyTable(wide=True, values=("set", "refs"), on_move=self._blocks_moved)
-        self._engine = KeyTable(wide=False, values=("ref",))
-        self._sets = LocationSets()
+        core_seed, self._salt_key = _derive(secret, seed)
+        self._core = make_core(self.backend, core_seed)
+        if expected_blocks > 0:
+            self._core.presize(expected_blocks)
         self._scope_ids: dict[IdentityScope, int] = {}
-        self._scopes: list[IdentityScope] = []
-        self._keyers: dict[tuple[int, int], BlockKeyer] = {}
-        self._event_scopes: dict[tuple[PublisherIdentity, str | None, str | None, str | None], int] = {}
+        self._scopes: dict[int, IdentityScope] = {}
+        self._scope_lru: OrderedDict[int, None] = OrderedDict()
+        self._keyers: OrderedDict[tuple[IdentityScope, int], BlockKeyer] = OrderedDict()
+        self._event_scopes: dict[tuple[PublisherIdentity, str | None, str | None, str | None], IdentityScope] = {}
         self._publishers = Publishers()
         self._pubs = self._publishers.by_name
         self._pub_list = self._publishers.by_id
         self._locations: list[_Location] = []
+        self._core_publishers = 0
         self._count = _Counters()
         self._match_cache: dict[tuple[int, int, bool], LocationMatch] = {}
-        self._cursor = 0
 
     # -- applying batches -----------------------------------------------------------------------------
 
     def apply(self, batch: KvEventBatch) -> ApplyOutcome:
         """Apply one publisher batch (idempotent: a batch already applied is ignored)."""
-        pub, admission = self._publishers.admit(batch.publisher, batch.incarnation, batch.seq)
+        return self.apply_events(batch.publisher, batch.incarnation, batch.seq, batch.identity, batch.events)
+
+    def apply_events(self, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
+                     events: Iterable[Any]) -> ApplyOutcome:
+        """As :meth:`apply`, for a batch given by its parts; ``events`` may also hold
+        :class:`KeyedBlocks` (checked before anything is applied)."""
+        steps = self.apply_event_steps(publisher, incarnation, seq, identity, events)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def apply_steps(self, batch: KvEventBatch) -> Generator[int, None, ApplyOutcome]:
+        """:meth:`apply`, one event at a time: yields after each event (the block operations so
+        far) and returns the outcome. Between steps the index holds the batch's first events'
+        effect, a state the publisher itself went through, so lookups in between are answered
+        correctly for that moment; a caller (the replicas, the index worker) uses the pauses to let
+        other work run, so that no batch holds its event loop for long. Drive it to the end before
+        applying or checkpointing anything else."""
+        return self.apply_event_steps(batch.publisher, batch.incarnation, batch.seq, batch.identity, batch.events)
+
+    def apply_event_steps(self, publisher: str, incarnation: int, seq: int, identity: PublisherIdentity,
+                          events: Iterable[Any]) -> Generator[int, None, ApplyOutcome]:
+        """:meth:`apply_events`, one event at a time (as :meth:`apply_steps`)."""
+        events = tuple(events)
+        for event in events:
+            if isinstance(event, KeyedBlocks):
+                event.check()
+            elif not isinstance(event, (BlockStored, BlockRemoved, AllCleared, Snapshot)):
+                raise TypeError(f"not a kv event: {type(event).__name__}")
+        pub, admission = self._publishers.admit(publisher, incarnation, seq)
+        self._sync_publishers()
+        if pub is None or admission == "refused":
+            self._count.refused_batches += 1
+            return ApplyOutcome("refused", 0, pub is None or not pub.certain)
         if admission == "stale":
             self._count.stale_batches += 1
             return ApplyOutcome("stale", 0, not pub.certain)
@@ -159,364 +285,265 @@ class GlobalIndex:
             self._count.duplicate_batches += 1
             return ApplyOutcome("duplicate", 0, not pub.certain)
         ops = 0
-        for event in batch.events:
+        for event in events:
             if isinstance(event, BlockStored):
-                ops += self._stored(pub, batch.identity, event)
+                ops += self._stored(pub, identity, event)
+            elif isinstance(event, KeyedBlocks):
+                ops += self._stored_keys(pub, identity, event)
             elif isinstance(event, BlockRemoved):
                 ops += self._removed(pub, event)
             elif isinstance(event, AllCleared):
-                self._clear(pub, None if event.tier is None else event.tier)
+                self._clear(pub, event.tier)
                 if event.tier is None:
                     self._publishers.certain(pub)
             elif isinstance(event, Snapshot):
                 if self._publishers.snapshot(pub, event.phase):
                     self._clear(pub, None)
+            yield ops
         self._count.batches_applied += 1
-        if self._sets.memberships > self.max_memberships:
-            self._forget(self._sets.memberships - (self.max_memberships - self.max_memberships // 16))
+        self._bound()
         return ApplyOutcome("applied", ops, not pub.certain)
+
+    def mark_uncertain(self, publishers: Sequence[str], reason: str) -> int:
+        """Make ``publishers`` uncertain (their facts stay, every match is ``certain=False``) until
+        each resyncs; for a caller that knows their record history is incomplete (an event log cut
+        by retention). Returns how many were known."""
+        n = 0
+        for name in publishers:
+            pub = self._pubs.get(name)
+            if pub is not None:
+                self._publishers.uncertain(pub, reason)
+                n += 1
+        return n
+
+    def _sync_publishers(self) -> None:
+        """Give the core every publisher :class:`~nexuskv.publishers.Publishers` added (same dense ids)."""
+        while self._core_publishers < len(self._pub_list):
+            assert self._core.add_publisher() == self._pub_list[self._core_publishers].pid
+            self._core_publishers += 1
 
     def _stored(self, pub: PublisherState, identity: PublisherIdentity, event: BlockStored) -> int:
         n = len(event.engine_hashes)
         loc = self._location(pub, event.tier, event.group)
         if event.is_tier_event:
-            eslots = self._engine.find(self._engine_k1(pub, event.engine_hashes), None, pub.tag)
-            known = eslots[eslots >= 0]
-            self._count.unresolved_blocks += n - len(known)
-            if len(known):
-                self._add_location(self._engine.values["ref"][known].astype(np.intp), loc)
-            self._count.blocks_stored += len(known)
+            known = self._core.store_tier(pub.pid, loc, event.engine_hashes)
+            self._count.unresolved_blocks += n - known
+            self._count.blocks_stored += known
             return n
-        scope_id = self._event_scope(identity, event)
-        keyer = self._keyer(scope_id, event.block_size)
+        scope = self._event_scope(identity, event.tenant_namespace, event.lora, event.cache_salt)
         parent = None
         if event.parent is not None:
-            parent = self._engine_block_key(pub, event.parent)
-            if parent is None:
+            raw = self._core.parent_key(pub.pid, event.parent)
+            if raw is None:
                 self._count.unresolved_blocks += n
                 return n
+            parent = int.from_bytes(raw, "big")
         try:
-            keys = digest_array(keyer.digests(event.token_ids, parent=parent, extra_keys=event.extra_keys))
+            keys = b"".join(self._keyer(scope, event.block_size).digests(event.token_ids, parent=parent,
+                                                                          extra_keys=event.extra_keys))
         except IdentityError:
             self._count.unresolved_blocks += n
             return n
-        blocks = self._find_or_insert_blocks(keys[:, 1], keys[:, 0], scope_id + 1)
-        self._map_engine(pub, event.engine_hashes, blocks)
-        self._add_location(blocks, loc)
+        self._core.store(pub.pid, loc, self._scope_id(scope, create=True), keys, event.engine_hashes)
+        self._count.blocks_stored += n
+        return n
+
+    def _stored_keys(self, pub: PublisherState, identity: PublisherIdentity, event: KeyedBlocks) -> int:
+        loc = self._location(pub, Tier(event.tier), event.group)
+        scope = self._event_scope(identity, event.tenant_namespace, event.lora, event.cache_salt)
+        n = self._core.store(pub.pid, loc, self._scope_id(scope, create=True), event.keys, event.engine_hashes)
         self._count.blocks_stored += n
         return n
 
     def _removed(self, pub: PublisherState, event: BlockRemoved) -> int:
         n = len(event.engine_hashes)
         loc = pub.locs.get((event.tier, event.group))
-        eslots = self._engine.find(self._engine_k1(pub, event.engine_hashes), None, pub.tag)
-        known = np.unique(eslots[eslots >= 0])
-        self._count.unknown_removals += n - int((eslots >= 0).sum())
-        if loc is None or len(known) == 0:
-            return n
-        blocks = self._engine.values["ref"][known].astype(np.intp)
-        self._change_sets(blocks, lambda m, bit=1 << loc: m & ~bit)
-        still = self._holds(self._blocks.values["set"][blocks], pub.mask)
-        self._drop_engine(known[~still])
-        self._count.blocks_removed += len(known)
+        known = self._core.remove(pub.pid, loc, event.engine_hashes)
+        self._count.unknown_removals += n - known
+        if loc is not None:
+            self._count.blocks_removed += known
         return n
 
     def _clear(self, pub: PublisherState, tier: Tier | None) -> None:
-        mask = 0
-        for (t, _group), loc in pub.locs.items():
-            if tier is None or t == tier:
-                mask |= 1 << loc
-        if mask:
-            sets = self._sets
-            remap = np.arange(len(sets.masks), dtype=np.uint32)
-            for sid, m in enumerate(list(sets.masks)):
-                if sid and sets.refs[sid] > 0 and m & mask:
-                    target = sets.intern(m & ~mask)
-                    remap[sid] = target
-            setcol = self._blocks.values["set"]
-            for sid in np.flatnonzero(remap != np.arange(len(remap))).tolist():
-                count = sets.refs[sid]
-                sets.ref(int(remap[sid]), count)
-                sets.ref(sid, -count)
-            setcol[:] = remap[setcol]
-        eslots = np.flatnonzero(self._engine.tag == pub.tag)
-        if tier is not None and len(eslots):
-            blocks = self._engine.values["ref"][eslots].astype(np.intp)
-            eslots = eslots[~self._holds(self._blocks.values["set"][blocks], pub.mask)]
-        self._drop_engine(eslots)
-
-    # -- blocks, engine map, location sets ------------------------------------------------------------
-
-    def _find_or_insert_blocks(self, lo: np.ndarray, hi: np.ndarray, tag: int) -> np.ndarray:
-        table = self._blocks
-        slots = table.find(lo, hi, tag)
-        missing = np.flatnonzero(slots < 0)
-        if len(missing):
-            _u, first = np.unique(lo[missing], return_index=True)
-            new_keys = missing[np.sort(first)]
-            rehashes = table.rehashes
-            new = table.insert(lo[new_keys], hi[new_keys], tag)
-            table.values["set"][new] = 0
-            table.values["refs"][new] = 0
-            if table.rehashes != rehashes or len(new_keys) != len(missing):
-                slots = table.find(lo, hi, tag)
-            else:
-                slots[new_keys] = new
-        return slots
-
-    def _engine_k1(self, pub: PublisherState, hashes: Sequence[int]) -> np.ndarray:
-        # A bijection of the engine hash for a fixed publisher, spread over the high bits that pick
-        # the bucket; the hash is recovered from it (checkpoints), so it is not stored.
-        e = np.array(hashes, dtype=np.uint64) if not isinstance(hashes, np.ndarray) else hashes
-        return (e ^ _U64(_MIX_PUB * pub.tag % (1 << 64))) * _U64(_MIX_MUL)
-
-    def _engine_hashes(self, pub: PublisherState, k1: np.ndarray) -> np.ndarray:
-        return (k1 * _U64(_MIX_INV)) ^ _U64(_MIX_PUB * pub.tag % (1 << 64))
-
-    def _engine_block_key(self, pub: PublisherState, engine_hash: int) -> int | None:
-        eslot = self._engine.find(self._engine_k1(pub, (engine_hash,)), None, pub.tag)[0]
-        if eslot < 0:
-            return None
-        b = int(self._engine.values["ref"][eslot])
-        return (int(self._blocks.k2[b]) << 64) | int(self._blocks.k1[b])
-
-    def _map_engine(self, pub: PublisherState, hashes: Sequence[int], blocks: np.ndarray) -> None:
-        k1 = self._engine_k1(pub, hashes)
-        _u, first = np.unique(k1, return_index=True)
-        if len(first) != len(k1):  # the same engine hash twice in one event: the last one wins
-            last = len(k1) - 1 - np.unique(k1[::-1], return_index=True)[1]
-            k1, blocks = k1[last], blocks[last]
-        eslots = self._engine.find(k1, None, pub.tag)
-        refcol = self._blocks.values["refs"]
-        old = eslots >= 0
-        if old.any():
-            have = eslots[old]
-            prev = self._engine.values["ref"][have].astype(np.intp)
-            moved = prev != blocks[old]
-            if moved.any():  # an engine hash now names another block: forget the old one here
-                self._change_sets(prev[moved], lambda m, mask=pub.mask: m & ~mask)
-                self._engine.values["ref"][have[moved]] = blocks[old][moved]
-                np.add.at(refcol, blocks[old][moved], 1)
-                self._unref_blocks(prev[moved])
-        new = ~old
-        if new.any():
-            slots = self._engine.insert(k1[new], None, pub.tag)
-            self._engine.values["ref"][slots] = blocks[new]
-            np.add.at(refcol, blocks[new], 1)
-
-    def _drop_engine(self, eslots: np.ndarray) -> None:
-        if len(eslots) == 0:
-            return
-        blocks = self._engine.values["ref"][eslots].astype(np.intp)
-        self._engine.delete(eslots)
-        self._unref_blocks(blocks)
-
-    def _unref_blocks(self, blocks: np.ndarray) -> None:
-        refcol = self._blocks.values["refs"]
-        np.subtract.at(refcol, blocks, 1)
-        gone = np.unique(blocks[refcol[blocks] == 0])
-        if len(gone):
-            self._change_sets(gone, lambda m: 0)
-            self._blocks.delete(gone)
-
-    def _blocks_moved(self, remap: np.ndarray) -> None:
-        eslots = self._engine.slots()
-        refs = self._engine.values["ref"]
-        refs[eslots] = remap[refs[eslots].astype(np.intp)]
-
-    def _add_location(self, blocks: np.ndarray, loc: int) -> None:
-        self._change_sets(blocks, lambda m, bit=1 << loc: m | bit)
-
-    def _change_sets(self, blocks: np.ndarray, change: Any) -> None:
-        blocks = np.unique(blocks)
-        setcol = self._blocks.values["set"]
-        setcol[blocks] = self._sets.transform(setcol[blocks], change)
-
-    def _holds(self, set_ids: np.ndarray, mask: int) -> np.ndarray:
-        """Per entry: does the set share a bit with ``mask``?"""
-        uniq, inverse = np.unique(set_ids, return_inverse=True)
-        masks = self._sets.masks
-        return np.array([masks[s] & mask != 0 for s in uniq.tolist()], np.bool_)[inverse]
+        locs = [loc for (t, _g), loc in pub.locs.items() if tier is None or t == tier]
+        self._core.clear(pub.pid, locs, tier is None)
 
     def _location(self, pub: PublisherState, tier: Tier, group: int) -> int:
         loc = pub.locs.get((tier, group))
         if loc is None:
-            loc = len(self._locations)
+            loc = self._core.add_location(pub.pid)
+            assert loc == len(self._locations)
             entry = EntryLocation(worker=pub.name, tier=tier, group=group)
             self._locations.append(_Location(pub.pid, tier, group, entry, (pub.name, tier.value, group)))
             pub.locs[(tier, group)] = loc
-            pub.mask |= 1 << loc
         return loc
 
-    def _forget(self, excess: int) -> None:
-        table = self._blocks
-        setcol = table.values["set"]
-        sizes = np.array([len(x) for x in self._sets.locs], np.int64)
-        live = table.slots()
-        start = self._cursor % table.capacity
-        order = np.concatenate((live[live >= start], live[live < start]))
-        held = sizes[setcol[order]]
-        upto = int(np.searchsorted(np.cumsum(held), excess)) + 1
-        gone = np.sort(order[:upto])
-        if len(gone) == 0:
-            return
-        self._cursor = int(order[min(upto, len(order)) - 1]) + 1
-        self._count.forgotten_memberships += int(held[:upto].sum())
-        self._count.forgotten_blocks += len(gone)
-        eslots = self._engine.slots()
-        refs = self._engine.values["ref"][eslots].astype(np.intp)
-        self._engine.delete(eslots[np.isin(refs, gone)])
-        self._change_sets(gone, lambda m: 0)
-        table.values["refs"][gone] = 0
-        table.delete(gone)
+    # -- bounds ----------------------------------------------------------------------------------------
+
+    def _forget_scopes(self) -> None:
+        """Forget the least recently used 1/16 of the scopes (and their blocks)."""
+        drop = max(1, self.max_scopes // 16) + max(0, len(self._scopes) - self.max_scopes)
+        victims = [sid for sid, _ in zip(self._scope_lru, range(drop))]
+        m, b = self._core.forget_scopes(victims)
+        self._count.forgotten_memberships += m
+        self._count.forgotten_blocks += b
+        self._count.forgotten_scopes += len(victims)
+        self._release_empty_scopes()
+
+    def _release_empty_scopes(self) -> None:
+        core = self._core
+        for sid in core.take_empty_scopes():
+            if core.release_scope(sid):
+                scope = self._scopes.pop(sid, None)
+                self._scope_lru.pop(sid, None)
+                if scope is not None:
+                    del self._scope_ids[scope]
+
+    def _bound(self) -> None:
+        core = self._core
+        if len(self._scopes) > self.max_scopes:
+            self._forget_scopes()
+        if core.memberships > self.max_memberships:
+            m, b = core.forget(core.memberships - (self.max_memberships - self.max_memberships // 16))
+            self._count.forgotten_memberships += m
+            self._count.forgotten_blocks += b
+        self._release_empty_scopes()
 
     # -- scopes ----------------------------------------------------------------------------------------
 
     def _scope_id(self, scope: IdentityScope, *, create: bool) -> int | None:
         sid = self._scope_ids.get(scope)
-        if sid is None and create:
-            sid = len(self._scopes)
-            self._scopes.append(scope)
+        if sid is None:
+            if not create:
+                return None
+            if len(self._scopes) >= self.max_scopes:
+                self._release_empty_scopes()
+                if len(self._scopes) >= self.max_scopes:
+                    self._forget_scopes()
+            salt = hashlib.blake2b(scope.canonical_bytes(), digest_size=16, key=self._salt_key,
+                                   person=b"nexuskv-salt1").digest()
+            sid = self._core.add_scope(salt)
             self._scope_ids[scope] = sid
+            self._scopes[sid] = scope
+            self._scope_lru[sid] = None
+        else:
+            self._scope_lru.move_to_end(sid)
         return sid
 
-    def _event_scope(self, identity: PublisherIdentity, event: BlockStored) -> int:
-        key = (identity, event.tenant_namespace, event.lora, event.cache_salt)
-        sid = self._event_scopes.get(key)
-        if sid is None:
+    def _event_scope(self, identity: PublisherIdentity, tenant: str | None, lora: str | None,
+                     salt: str | None) -> IdentityScope:
+        key = (identity, tenant, lora, salt)
+        scope = self._event_scopes.get(key)
+        if scope is None:
             scope = IdentityScope(
-                tenant_namespace=event.tenant_namespace or identity.tenant_namespace,
+                tenant_namespace=tenant or identity.tenant_namespace,
                 model=identity.model, model_revision=identity.model_revision,
                 tokenizer_revision=identity.tokenizer_revision, descriptor_id=identity.descriptor_id,
-                lora=event.lora, cache_salt=event.cache_salt,
+                lora=lora, cache_salt=salt,
             )
-            sid = self._scope_id(scope, create=True)
-            if len(self._event_scopes) > 4096:
+            if len(self._event_scopes) >= _EVENT_SCOPE_CACHE_MAX:
                 self._event_scopes.clear()
-            self._event_scopes[key] = sid
-        return sid
+            self._event_scopes[key] = scope
+        return scope
 
-    def _keyer(self, scope_id: int, block_size: int) -> BlockKeyer:
-        keyer = self._keyers.get((scope_id, block_size))
+    def _keyer(self, scope: IdentityScope, block_size: int) -> BlockKeyer:
+        key = (scope, block_size)
+        keyer = self._keyers.get(key)
         if keyer is None:
-            keyer = BlockKeyer(self._scopes[scope_id], block_size, self._secret)
-            self._keyers[(scope_id, block_size)] = keyer
+            keyer = BlockKeyer(scope, block_size, self._secret)
+            if len(self._keyers) >= _KEYER_CACHE_MAX:
+                self._keyers.popitem(last=False)
+            self._keyers[key] = keyer
+        else:
+            self._keyers.move_to_end(key)
         return keyer
 
     # -- lookups ---------------------------------------------------------------------------------------
 
-    def lookup(self, scope: IdentityScope, keys: Sequence[int] | np.ndarray) -> LookupResult:
-        """Matches for canonical ``keys`` (block 0 first; ints, or an ``(n, 2)`` uint64 array from
-        :func:`~nexuskv.identity.key_array` / :func:`~nexuskv.identity.digest_array`) in ``scope``."""
-        arr = key_array(keys)
+    def lookup(self, scope: IdentityScope, keys: Sequence[int] | np.ndarray | bytes) -> LookupResult:
+        """Matches for canonical ``keys`` (block 0 first) in ``scope``: 128-bit ints, an ``(n, 2)``
+        uint64 array [high, low] (:func:`~nexuskv.identity.key_array`,
+        :func:`~nexuskv.identity.digest_array`) or ``n`` 16-byte big-endian digests as bytes."""
+        raw, n = _key_input(keys)
         sid = self._scope_ids.get(scope)
-        if sid is None or len(arr) == 0:
-            return LookupResult(num_blocks=len(arr), matches=())
-        slots = self._blocks.find(np.ascontiguousarray(arr[:, 1]), np.ascontiguousarray(arr[:, 0]), sid + 1)
-        ids = np.take(self._blocks.values["set"], slots)
-        ids[slots < 0] = 0
-        return LookupResult(num_blocks=len(arr), matches=self._matches(ids))
+        if sid is None or n == 0:
+            return LookupResult(num_blocks=n, matches=())
+        self._scope_lru.move_to_end(sid)
+        return LookupResult(num_blocks=n, matches=self._matches(self._core.lookup(sid, raw)))
 
     def lookup_tokens(self, scope: IdentityScope, token_ids: Sequence[int] | np.ndarray,
                       block_size: int) -> LookupResult:
         """As :meth:`lookup`, keying the full blocks of ``token_ids`` first."""
-        sid = self._scope_ids.get(scope)
-        if sid is None:
+        if scope not in self._scope_ids:
             return LookupResult(num_blocks=len(token_ids) // block_size, matches=())
-        return self.lookup(scope, digest_array(self._keyer(sid, block_size).digests(token_ids)))
+        return self.lookup(scope, b"".join(self._keyer(scope, block_size).digests(token_ids)))
 
-    def _matches(self, ids: np.ndarray) -> tuple[LocationMatch, ...]:
-        n = len(ids)
-        change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        if len(change) == 0 and ids[0] == 0:
+    def _matches(self, found: list[tuple[int, int, tuple[tuple[int, int], ...]]]) -> tuple[LocationMatch, ...]:
+        if not found:
             return ()
-        starts = [0, *change.tolist()]
-        ends = [*starts[1:], n]
-        run_ids = ids[starts].tolist()
-        locs_of = self._sets.locs
-        runs: dict[int, list[list[int]]] = {}
-        for s, e, sid in zip(starts, ends, run_ids):
-            if sid:
-                for loc in locs_of[sid]:
-                    got = runs.get(loc)
-                    if got is None:
-                        runs[loc] = [[s, e]]
-                    elif got[-1][1] == s:
-                        got[-1][1] = e
-                    else:
-                        got.append([s, e])
+        locations, pubs, cache = self._locations, self._pub_list, self._match_cache
         out = []
-        for loc, got in runs.items():
-            prefix = got[0][1] if got[0][0] == 0 else 0
-            rest = got[1:] if prefix else got
-            out.append(self._match(loc, prefix, tuple(Extent(s, e) for s, e in rest)))
+        for loc, prefix, rest in found:
+            where = locations[loc]
+            pub = pubs[where.pid]
+            if rest:
+                out.append(LocationMatch(where.entry, pub.name, prefix, tuple(Extent(s, e) for s, e in rest),
+                                         pub.certain))
+                continue
+            key = (loc, prefix, pub.certain)
+            hit = cache.get(key)
+            if hit is None:
+                if len(cache) >= _MATCH_CACHE_MAX:
+                    cache.clear()
+                hit = cache[key] = LocationMatch(where.entry, pub.name, prefix, (), pub.certain)
+            out.append(hit)
         if len(out) > 1:
             out.sort(key=lambda m: (m.location.worker, m.location.tier.value, m.location.group))
         return tuple(out)
-
-    def _match(self, loc: int, prefix: int, extents: tuple[Extent, ...]) -> LocationMatch:
-        where = self._locations[loc]
-        pub = self._pub_list[where.pid]
-        if extents:
-            return LocationMatch(where.entry, pub.name, prefix, extents, pub.certain)
-        key = (loc, prefix, pub.certain)
-        hit = self._match_cache.get(key)
-        if hit is None:
-            if len(self._match_cache) >= _MATCH_CACHE_MAX:
-                self._match_cache.clear()
-            hit = self._match_cache[key] = LocationMatch(where.entry, pub.name, prefix, (), pub.certain)
-        return hit
 
     # -- inspection ------------------------------------------------------------------------------------
 
     def publisher_status(self, publisher: str) -> PublisherStatus | None:
         pub = self._pubs.get(publisher)
-        if pub is None:
-            return None
-        return pub.status()
+        return None if pub is None else pub.status()
 
     def publishers(self) -> tuple[str, ...]:
         return tuple(self._pubs)
 
     @property
     def memberships(self) -> int:
-        return self._sets.memberships
+        return self._core.memberships
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: both tables' arrays plus an estimate of the Python-side tables."""
-        python_side = self._sets.nbytes() + 600 * len(self._pub_list) + 400 * len(self._locations)
-        return self._blocks.nbytes + self._engine.nbytes + python_side + 2000 * len(self._scopes)
+        """Bytes held: the core's tables plus an estimate of the Python-side tables."""
+        python_side = 600 * len(self._pub_list) + 400 * len(self._locations) + 1500 * len(self._scopes)
+        return self._core.nbytes + python_side + 1200 * len(self._keyers)
 
     def stats(self) -> IndexStats:
         c = self._count
         return IndexStats(
             batches_applied=c.batches_applied, duplicate_batches=c.duplicate_batches, stale_batches=c.stale_batches,
+            refused_batches=c.refused_batches,
             gaps=self._publishers.gaps, resyncs=self._publishers.resyncs, blocks_stored=c.blocks_stored,
             blocks_removed=c.blocks_removed,
             unresolved_blocks=c.unresolved_blocks, unknown_removals=c.unknown_removals,
             forgotten_memberships=c.forgotten_memberships, forgotten_blocks=c.forgotten_blocks,
-            forget_policy=FORGET_POLICY, memberships=self._sets.memberships, blocks=self._blocks.live,
+            forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
             publishers=len(self._pubs), uncertain_publishers=sum(not p.certain for p in self._pub_list),
-            max_memberships=self.max_memberships, nbytes=self.nbytes,
+            max_memberships=self.max_memberships, nbytes=self.nbytes, scopes=len(self._scopes),
+            forgotten_scopes=c.forgotten_scopes, backend=self.backend, core_nbytes=self._core.nbytes,
         )
 
     def facts(self) -> dict[tuple[str, Tier, int], set[tuple[IdentityScope, int]]]:
         """Every membership as ``{(publisher, tier, group): {(scope, key), ...}}`` (for tests and
         audits; it builds Python objects for every membership)."""
         out: dict[tuple[str, Tier, int], set[tuple[IdentityScope, int]]] = {}
-        table = self._blocks
-        slots = table.slots()
-        setcol = table.values["set"][slots]
-        keep = setcol != 0
-        slots, setcol = slots[keep], setcol[keep]
-        keys = [(int(h) << 64) | int(lo) for h, lo in zip(table.k2[slots].tolist(), table.k1[slots].tolist())]
-        scopes = (table.tag[slots] - 1).tolist()
-        for key, scope, sid in zip(keys, scopes, setcol.tolist()):
-            for loc in self._sets.locs[sid]:
-                where = self._locations[loc]
-                out.setdefault((self._pub_list[where.pid].name, where.tier, where.group), set()).add(
-                    (self._scopes[scope], key))
+        for loc, sids, keys in self._core.facts():
+            where = self._locations[loc]
+            scopes = [self._scopes[s] for s in np.frombuffer(sids, "<u4").tolist()]
+            ints = [int.from_bytes(keys[i:i + KEY_BYTES], "big") for i in range(0, len(keys), KEY_BYTES)]
+            out[(self._pub_list[where.pid].name, where.tier, where.group)] = set(zip(scopes, ints))
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -530,51 +557,66 @@ class GlobalIndex:
         """
         scopes: dict[int, int] = {}
         out = []
-        setcol = self._blocks.values["set"]
         for name in publishers:
             pub = self._pubs.get(name)
             if pub is None:
                 continue
-            eslots = np.flatnonzero(self._engine.tag == pub.tag)
-            blocks = self._engine.values["ref"][eslots].astype(np.intp)
-            local = np.array([scopes.setdefault(int(t) - 1, len(scopes)) for t in self._blocks.tag[blocks].tolist()],
+            hashes, keys, sids, held = self._core.export(pub.pid)
+            local = np.array([scopes.setdefault(s, len(scopes)) for s in np.frombuffer(sids, "<u4").tolist()],
                              np.uint32)
-            sets = setcol[blocks]
+            words = np.frombuffer(keys, ">u8").reshape(-1, 2).astype(np.uint64)
+            held_of = {loc: np.frombuffer(rows, "<u4").astype(np.uint32) for loc, rows in held}
             out.append(PublisherCheckpoint(
                 name=name, incarnation=pub.incarnation, next_seq=pub.next_seq, certain=pub.certain,
                 reason=pub.reason, in_snapshot=pub.in_snapshot, snapshot_clean=pub.snapshot_clean,
-                locations=tuple(pub.locs),
-                held=tuple(np.flatnonzero(self._holds(sets, 1 << loc)).astype(np.uint32) for loc in pub.locs.values()),
-                engine_hashes=self._engine_hashes(pub, self._engine.k1[eslots]),
-                key_lo=self._blocks.k1[blocks], key_hi=self._blocks.k2[blocks], scope=local))
+                locations=tuple(pub.locs), held=tuple(held_of[loc] for loc in pub.locs.values()),
+                engine_hashes=np.frombuffer(hashes, "<u8").astype(np.uint64),
+                key_lo=words[:, 1].copy(), key_hi=words[:, 0].copy(), scope=local))
         scope_list = [self._scopes[sid] for sid, _ in sorted(scopes.items(), key=lambda kv: kv[1])]
         return encode_checkpoint(IndexCheckpoint(tuple(scope_list), tuple(out)))
 
     def restore(self, data: bytes) -> tuple[str, ...]:
-        """Load a :meth:`checkpoint`, replacing whatever this index held for its publishers."""
+        """Load a :meth:`checkpoint`: each of its publishers replaces what this index held for it,
+        unless the index already holds that publisher at the same or a later point of its history
+        (incarnation, then next sequence number): then the checkpoint's copy is older and skipped.
+        So the newest state of a publisher wins whatever the order checkpoints are restored in.
+        Returns the publishers restored."""
         cp = decode_checkpoint(data)
-        scope_ids = [self._scope_id(s, create=True) for s in cp.scopes]
         names = []
         for item in cp.publishers:
-            name = item.name
-            pub = self._pubs.get(name)
+            pub = self._pubs.get(item.name)
             if pub is None:
-                pub = self._publishers.add(name)
+                pub = self._publishers.add(item.name)
+                self._sync_publishers()
+            elif (pub.incarnation, pub.next_seq) >= (item.incarnation, item.next_seq):
+                continue
             else:
                 self._clear(pub, None)
             pub.incarnation, pub.next_seq = item.incarnation, item.next_seq
             pub.certain, pub.reason = item.certain, item.reason
             pub.in_snapshot, pub.snapshot_clean = item.in_snapshot, item.snapshot_clean
-            lo, hi, local = item.key_lo, item.key_hi, item.scope
-            for j in np.unique(local).tolist():
-                rows = np.flatnonzero(local == j)
-                self._find_or_insert_blocks(lo[rows], hi[rows], scope_ids[j] + 1)
-            # Found again after every insert: an insert may have rehashed the table (slots move).
-            blocks = self._blocks.find(lo, hi, np.array([scope_ids[j] + 1 for j in local.tolist()], np.uint32))
-            self._map_engine(pub, item.engine_hashes, blocks)
-            for (tier, group), rows in zip(item.locations, item.held):
-                loc = self._location(pub, tier, group)
-                if len(rows):
-                    self._add_location(blocks[rows], loc)
-            names.append(name)
+            keys = np.stack((item.key_hi, item.key_lo), axis=1).astype(">u8").tobytes()
+            sids = np.array([self._scope_id(cp.scopes[j], create=True) for j in item.scope.tolist()], "<u4").tobytes()
+            held = [(self._location(pub, tier, group), np.asarray(rows, "<u4").tobytes())
+                    for (tier, group), rows in zip(item.locations, item.held)]
+            self._core.restore(pub.pid, np.asarray(item.engine_hashes, "<u8").tobytes(), keys, sids, held)
+            names.append(item.name)
+        self._bound()
         return tuple(names)
+
+
+def _key_input(keys: Sequence[int] | np.ndarray | bytes) -> tuple[Any, int]:
+    """Keys as the core takes them (bytes of 16-byte digests, or an (n, 2) uint64 array), and n."""
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 2 or keys.shape[1] != 2 or keys.dtype != np.uint64:
+            raise IdentityError(f"key array: expected shape (n, 2) of uint64, got {keys.shape} of {keys.dtype}")
+        return (keys if keys.flags.c_contiguous else np.ascontiguousarray(keys)), len(keys)
+    if isinstance(keys, (bytes, bytearray)):
+        if len(keys) % KEY_BYTES:
+            raise IdentityError(f"keys: {len(keys)} bytes is not a whole number of 16-byte keys")
+        return bytes(keys), len(keys) // KEY_BYTES
+    try:
+        raw = b"".join([int(k).to_bytes(KEY_BYTES, "big") for k in keys])
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise IdentityError(f"keys: each must be an int in [0, 2**128) ({exc})") from None
+    return raw, len(raw) // KEY_BYTES

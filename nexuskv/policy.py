@@ -12,7 +12,15 @@ An operator-authored, versioned file (TOML or JSON; ``infra/policy/default.toml`
   to one that completes late (demote, evict or keep).
 
 Loading validates every field and reports *all* defects with their dotted paths
-(:class:`~nexuskv.errors.PolicyError`). :class:`PolicyHolder` keeps the last known good policy:
+(:class:`~nexuskv.errors.PolicyError`); a document nested too deeply, or larger than
+:data:`MAX_POLICY_BYTES`, is a PolicyError too (never a ``RecursionError``).
+
+**A policy file is whole or it is refused.** A TOML file cut short at a line boundary still
+parses, with whole sections silently back at their defaults, so a TOML policy *file* must end
+with the line :data:`POLICY_END_MARKER` (:func:`check_complete`, applied by the file watcher in
+``streams/policy_file.py`` at start and on every reload); a JSON object cut short never parses,
+so JSON needs no marker. Writers should still write the new file beside the old one and rename it
+into place (the rename is atomic; the marker catches the writer that does not). :class:`PolicyHolder` keeps the last known good policy:
 an invalid new version is refused and the previous one stays in force. Every decision records
 :attr:`ExecutionPolicy.tag` (``version@digest``), so two files that reuse a version label are
 still told apart.
@@ -45,11 +53,16 @@ __all__ = [
     "Fallback",
     "ExecutionPolicy",
     "parse_policy",
+    "check_complete",
+    "POLICY_END_MARKER",
+    "MAX_POLICY_BYTES",
     "ReloadOutcome",
     "PolicyHolder",
 ]
 
 POLICY_SCHEMA = "nexuskv.execution_policy.v1"
+POLICY_END_MARKER = "# end of policy"
+MAX_POLICY_BYTES = 1 << 20
 
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 LinkName = Annotated[str, Field(pattern=r"^(gpu|host|disk|remote|object)->(gpu|host|disk|remote|object)$")]
@@ -241,13 +254,29 @@ def _errors_of(exc: pydantic.ValidationError) -> list[tuple[str, str]]:
     return out
 
 
+def check_complete(raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str = "<policy>") -> None:
+    """Raise PolicyError unless a policy *file*'s bytes are visibly whole (module docstring)."""
+    if fmt == "json":
+        return  # a JSON object cut short does not parse
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, (bytes, bytearray)) else raw
+    lines = text.rstrip().splitlines()
+    if not lines or lines[-1].strip() != POLICY_END_MARKER:
+        raise PolicyError(origin, [("<file>", (
+            f"the last line must be {POLICY_END_MARKER!r}: without it the file may have been cut short "
+            "(write the new policy beside the old file and rename it into place)"))])
+
+
 def parse_policy(raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str = "<policy>") -> ExecutionPolicy:
     """Parse and validate a policy document; raises PolicyError listing every defective field."""
+    if len(raw) > MAX_POLICY_BYTES:
+        raise PolicyError(origin, [("<document>", f"{len(raw)} bytes: a policy has at most {MAX_POLICY_BYTES}")])
     text = raw.decode("utf-8", errors="replace") if isinstance(raw, (bytes, bytearray)) else raw
     try:
         data = tomllib.loads(text) if fmt == "toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise PolicyError(origin, [("<document>", f"not valid {fmt}: {exc}")]) from None
+    except RecursionError:
+        raise PolicyError(origin, [("<document>", f"not valid {fmt}: nested too deeply")]) from None
     if not isinstance(data, dict):
         raise PolicyError(origin, [("<document>", f"top level must be a table, got {type(data).__name__}")])
     schema = data.get("schema_version")
@@ -259,6 +288,8 @@ def parse_policy(raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str 
         return ExecutionPolicy.__pydantic_validator__.validate_python(data)
     except pydantic.ValidationError as exc:
         raise PolicyError(origin, _errors_of(exc)) from None
+    except RecursionError:
+        raise PolicyError(origin, [("<document>", "nested too deeply")]) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +313,13 @@ class PolicyHolder:
     def current(self) -> ExecutionPolicy:
         return self._current
 
-    def offer(self, raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str) -> ReloadOutcome:
-        """Install ``raw`` if it is a valid policy; otherwise keep the current one and say why."""
+    def offer(self, raw: bytes | str, *, fmt: Literal["toml", "json"], origin: str,
+              whole_file: bool = False) -> ReloadOutcome:
+        """Install ``raw`` if it is a valid policy (and, with ``whole_file``, visibly complete:
+        :func:`check_complete`); otherwise keep the current one and say why."""
         try:
+            if whole_file:
+                check_complete(raw, fmt=fmt, origin=origin)
             candidate = parse_policy(raw, fmt=fmt, origin=origin)
         except PolicyError as exc:
             return ReloadOutcome(self._current, changed=False, error=exc)

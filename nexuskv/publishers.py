@@ -10,6 +10,16 @@ every tier, or a ``Snapshot`` ``end`` after a ``begin`` with no gap in between. 
 certainty is per publisher, so facts stored *after* a gap are uncertain too (see
 :mod:`nexuskv.index`).
 
+**Bounded jumps.** A known publisher's sequence number may move forward by at most
+:data:`MAX_SEQ_JUMP` in one batch, and its incarnation by at most :data:`MAX_INCARNATION_JUMP`
+(incarnations are nanosecond clocks or counters; 2**56 ns is 2.3 years), and a publisher is first
+seen at a sequence number of at most :data:`MAX_FIRST_SEQ`. A batch beyond any of these is
+*refused*: not applied, the sequence does not move, and the publisher becomes uncertain (the
+refused batch may have carried removals). Without the bound one batch claiming seq or incarnation
+2**62 would make every later genuine batch of that publisher a duplicate or stale, for good. A
+first sight's incarnation has nothing to be compared with: only authenticated publishing
+(:mod:`nexuskv.contracts.kv_signature`) keeps a stranger from claiming a publisher's name first.
+
 Pure bookkeeping: :class:`Publishers` says what a batch is (:meth:`Publishers.admit`) and moves
 the certainty state; the index does what that implies to its facts.
 """
@@ -21,9 +31,13 @@ from typing import Literal
 
 from nexuskv.descriptor import Tier
 
-__all__ = ["Admission", "PublisherState", "PublisherStatus", "Publishers"]
+__all__ = ["Admission", "PublisherState", "PublisherStatus", "Publishers", "MAX_SEQ_JUMP", "MAX_INCARNATION_JUMP",
+           "MAX_FIRST_SEQ"]
 
-Admission = Literal["applied", "duplicate", "stale"]
+Admission = Literal["applied", "duplicate", "stale", "refused"]
+MAX_SEQ_JUMP = 1 << 32
+MAX_INCARNATION_JUMP = 1 << 56
+MAX_FIRST_SEQ = 1 << 48  # a publisher first seen beyond this is refused (no state is created)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +97,24 @@ class Publishers:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def admit(self, name: str, incarnation: int, seq: int) -> tuple[PublisherState, Admission]:
-        """Whether batch ``seq`` of ``incarnation`` applies; on "applied" the sequence has advanced."""
+    def admit(self, name: str, incarnation: int, seq: int) -> tuple[PublisherState | None, Admission]:
+        """Whether batch ``seq`` of ``incarnation`` applies; on "applied" the sequence has advanced.
+        The state is None only for a refused first sight (nothing was created)."""
         pub = self.by_name.get(name)
         if pub is None:
+            if seq > MAX_FIRST_SEQ:
+                return None, "refused"
             pub = self.add(name, incarnation=incarnation, next_seq=seq)
             if seq != 0:
                 self.uncertain(pub, f"first seen at seq {seq}")
         elif incarnation < pub.incarnation:
             return pub, "stale"
+        elif incarnation - pub.incarnation > MAX_INCARNATION_JUMP:
+            self.uncertain(pub, f"refused incarnation jump from {pub.incarnation} to {incarnation}")
+            return pub, "refused"
+        elif incarnation == pub.incarnation and seq - pub.next_seq > MAX_SEQ_JUMP:
+            self.uncertain(pub, f"refused sequence jump from {pub.next_seq} to {seq}")
+            return pub, "refused"
         elif incarnation > pub.incarnation:
             pub.incarnation = incarnation
             self.uncertain(pub, f"new incarnation {incarnation}")

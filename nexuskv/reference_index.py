@@ -4,7 +4,8 @@ A dict of sets per (publisher, tier, group) and a dict per publisher from engine
 It is the oracle of the property tests (``tests/nexuskv/test_index_properties.py``) and the
 "plain dict-of-sets index" baseline of the index benchmarks. It follows the rules written in
 :mod:`nexuskv.index` (sequence numbers, incarnations, resyncs, scoped removals and clears, the
-engine-hash map that lives while its publisher holds the block) but shares none of its code
+engine-hash map whose entries live while their publisher holds their block somewhere) but shares
+none of its code
 except the key computation, and has no memory bound. Do not use it in a service: a membership
 costs several hundred bytes here.
 """
@@ -34,6 +35,19 @@ class _Pub:
         self.in_snapshot = False
         self.clean = False
         self.engine: dict[int, Block] = {}
+        self.hashes: dict[Block, set[int]] = {}  # the engine map, reversed
+
+    def link(self, h: int, block: Block) -> None:
+        old = self.engine.get(h)
+        if old is not None:
+            self.hashes[old].discard(h)
+        self.engine[h] = block
+        self.hashes.setdefault(block, set()).add(h)
+
+    def unlink(self, block: Block) -> None:
+        """Every hash naming ``block`` leaves the map (the publisher holds it nowhere now)."""
+        for h in self.hashes.pop(block, ()):
+            del self.engine[h]
 
 
 class ReferenceIndex:
@@ -70,7 +84,7 @@ class ReferenceIndex:
                     if block is not None:
                         self.facts.get((name, ev.tier, ev.group), set()).discard(block)
                         if not self._held(name, block):
-                            del pub.engine[h]
+                            pub.unlink(block)
             elif isinstance(ev, AllCleared):
                 self._clear(name, pub, ev.tier)
                 if ev.tier is None:
@@ -115,25 +129,26 @@ class ReferenceIndex:
             return
         for h, key in zip(ev.engine_hashes, keys):
             old = pub.engine.get(h)
+            pub.link(h, (scope, key))
+            self.facts.setdefault(where, set()).add((scope, key))
             if old is not None and old != (scope, key):
                 for (p, _t, _g), blocks in self.facts.items():
                     if p == name:
                         blocks.discard(old)
-            pub.engine[h] = (scope, key)
-            self.facts.setdefault(where, set()).add((scope, key))
+                pub.unlink(old)
 
     def _held(self, name: str, block: Block) -> bool:
         return any(p == name and block in blocks for (p, _t, _g), blocks in self.facts.items())
 
     def _clear(self, name: str, pub: _Pub, tier: Tier | None) -> None:
+        gone: set[Block] = set()
         for (p, t, _g), blocks in self.facts.items():
             if p == name and (tier is None or t == tier):
+                gone |= blocks
                 blocks.clear()
-        if tier is None:
-            pub.engine.clear()
-        else:
-            for h in [h for h, block in pub.engine.items() if not self._held(name, block)]:
-                del pub.engine[h]
+        for block in gone:
+            if not self._held(name, block):
+                pub.unlink(block)
 
     def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
         keys = [int(k) for k in keys]

@@ -1,32 +1,133 @@
 """aiokafka producers and consumers that speak NexusKV's topic contracts.
 
 Every record on a NexusKV topic is a versioned contract encoded by :mod:`nexuskv.contracts.codec`;
-keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A consumer that cannot decode a record builds a :class:`DeadLetter` for
-it (:func:`dead_letter_for`) instead of dropping or crashing.
+keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A
+consumer that cannot decode a record builds a :class:`DeadLetter` for it (:func:`dead_letter_for`)
+instead of dropping or crashing.
+
+**Signed kv-events.** :func:`send` signs every :class:`~nexuskv.contracts.kv_events.KvEventBatch`
+it sends (header of :mod:`nexuskv.contracts.kv_signature`) with its publisher's key, when this
+process has one: from ``NEXUSKV_PUBLISHER_KEYS``, else derived from ``NEXUSKV_BUS_SECRET``
+(:class:`BatchSigner`, read from the environment once, at the first send). Every publisher —
+the reference engine's bus publisher, the ZMQ bridge, the synchronous plugins' background bus —
+sends through here, so none of them signs on its own.
 
 Client settings that decide start-up and rebalance latency live in :mod:`streams.tuning`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
-from nexuskv.config import BrokerUrl
-from nexuskv.contracts import codec
+from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts import codec, kv_signature
 from nexuskv.contracts.base import Contract
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
+from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError
 from streams import tuning
 from streams.telemetry import carrier_headers
 
-__all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter"]
+__all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter",
+           "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue",
+           "is_transient", "retry_transient"]
 
 Headers = Sequence[tuple[str, bytes]]
+log = logging.getLogger(__name__)
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+#: ``signer=FROM_ENV``: the process's :func:`default_signer`.
+FROM_ENV: Final = _FromEnv()
+
+
+class BatchSigner:
+    """Signing keys of the publishers this process sends for: given per publisher, or derived
+    from the bus secret (which can sign for anyone)."""
+
+    def __init__(self, *, bus_secret: bytes = b"", keys: Mapping[str, bytes] | None = None) -> None:
+        self._secret = bus_secret
+        self._keys = dict(keys or {})
+        self._derived: OrderedDict[str, bytes] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BatchSigner:
+        return cls(bus_secret=settings.bus_secret_bytes, keys=settings.publisher_key_map)
+
+    def __bool__(self) -> bool:
+        return bool(self._secret or self._keys)
+
+    def key_for(self, publisher: str) -> bytes | None:
+        key = self._keys.get(publisher)
+        if key is not None or not self._secret:
+            return key
+        key = self._derived.get(publisher)
+        if key is None:
+            key = self._derived[publisher] = kv_signature.publisher_key(self._secret, publisher)
+            while len(self._derived) > 4096:
+                self._derived.popitem(last=False)
+        return key
+
+    def header(self, publisher: str, record_key: bytes, value: bytes) -> tuple[str, bytes] | None:
+        key = self.key_for(publisher)
+        if key is None:
+            return None
+        return kv_signature.SIGNATURE_HEADER, kv_signature.sign(key, record_key, value)
+
+
+@functools.cache
+def default_signer() -> BatchSigner:
+    """This process's signer, from ``NEXUSKV_BUS_SECRET`` and ``NEXUSKV_PUBLISHER_KEYS`` (read once)."""
+    return BatchSigner.from_settings(Settings.from_env())
+
+
+_unsigned_warned: set[str] = set()
+_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+T = TypeVar("T")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A Kafka error that a broker outage, election or rebalance causes, and that passes."""
+    return isinstance(exc, KafkaError) and (bool(getattr(exc, "retriable", False)) or isinstance(exc, KafkaTimeoutError))
+
+
+async def retry_transient(op: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """``await op()`` until it succeeds, waiting out transient broker errors (backoff up to 5 s);
+    any other error propagates. While it waits, the service's readiness says why (``/readyz``),
+    so a broker outage is survived and reported, not fatal."""
+    from streams.telemetry import HEALTH
+
+    attempt = 0
+    while True:
+        try:
+            result = await op()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            HEALTH.set_ready("broker", False, f"{what}: {type(exc).__name__}")
+            if attempt == 0 or attempt % 10 == 0:
+                log.warning("%s failed (%s: %s); retrying while the broker is away", what, type(exc).__name__, exc)
+            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+            continue
+        if attempt:
+            HEALTH.set_ready("broker", True)
+            log.info("%s succeeded after %d retries", what, attempt)
+        return result
 
 
 def make_producer(url: BrokerUrl, *, client_id: str, **overrides: Any) -> AIOKafkaProducer:
@@ -45,12 +146,38 @@ def make_consumer(url: BrokerUrl, *topics: Topic, client_id: str, group_id: str 
                             client_id=client_id, group_id=group_id, **settings)
 
 
+def record_headers(key: bytes, payload: bytes, value: Contract, headers: Headers | None,
+                   signer: BatchSigner | _FromEnv | None = FROM_ENV) -> list[tuple[str, bytes]]:
+    """The headers of a record: the trace context, and a kv-events batch's signature."""
+    out = [(k, v) for k, v in carrier_headers(headers) if k != kv_signature.SIGNATURE_HEADER]
+    if isinstance(value, KvEventBatch) and signer is not None:
+        chosen = default_signer() if isinstance(signer, _FromEnv) else signer
+        header = chosen.header(value.publisher, key, payload) if chosen else None
+        if header is not None:
+            out.append(header)
+        elif chosen and value.publisher not in _unsigned_warned and len(_unsigned_warned) < 64:
+            _unsigned_warned.add(value.publisher)
+            log.warning("no signing key for publisher %s: its batches go out unsigned", value.publisher)
+    return out
+
+
 async def send(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
-               headers: Headers | None = None) -> RecordMetadata:
-    """Encode and send, carrying the current trace context; returns once the broker acknowledged."""
-    fut = await producer.send(topic.name, codec.encode(topic, value), key=key.encode("utf-8"),
-                              headers=carrier_headers(headers) or None)
-    return await fut
+               headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
+               ) -> RecordMetadata:
+    """Encode and send, carrying the current trace context (and, for a kv-events batch, its
+    publisher's signature); returns once the broker acknowledged."""
+    return await (await send_nowait(producer, topic, key, value, headers, signer=signer))
+
+
+async def send_nowait(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
+                      headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
+                      ) -> Any:
+    """As :func:`send`, returning once the record is queued: await the returned future for the
+    broker's acknowledgement (so that many records share a round trip)."""
+    raw_key = key.encode("utf-8")
+    payload = codec.encode(topic, value)
+    return await producer.send(topic.name, payload, key=raw_key,
+                               headers=record_headers(raw_key, payload, value, headers, signer) or None)
 
 
 def decode_record(topic: Topic, record: ConsumerRecord) -> Contract:
@@ -78,5 +205,55 @@ def dead_letter_for(topic_name: str, record: ConsumerRecord | None, error: BaseE
     )
 
 
-async def send_dead_letter(producer: AIOKafkaProducer, letter: DeadLetter) -> RecordMetadata:
-    return await send(producer, DEAD_LETTER, letter.source_topic, letter)
+async def send_dead_letter(producer: AIOKafkaProducer, letter: DeadLetter, topic: Topic = DEAD_LETTER) -> RecordMetadata:
+    return await send(producer, topic, letter.source_topic, letter)
+
+
+class DeadLetterQueue:
+    """Dead letters sent in batches: :meth:`put` queues one (a round trip is shared by every
+    letter queued meanwhile), :meth:`flush` returns once the broker acknowledged all of them.
+
+    A service calls :meth:`flush` before it records progress past the rejected records (a
+    checkpoint, an offset commit), so a letter is never lost behind that progress. At most
+    ``max_pending`` letters wait unacknowledged; :meth:`put` flushes beyond that."""
+
+    def __init__(self, producer: AIOKafkaProducer, topic: Topic = DEAD_LETTER, *, max_pending: int = 2000) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.max_pending = max_pending
+        self._pending: list[tuple[DeadLetter, Any]] = []
+        self.sent = 0
+
+    async def _queue(self, letter: DeadLetter) -> Any:
+        return await retry_transient(lambda: send_nowait(self.producer, self.topic, letter.source_topic, letter),
+                                     what="queueing a dead letter")
+
+    async def put(self, letter: DeadLetter) -> None:
+        self._pending.append((letter, await self._queue(letter)))
+        if len(self._pending) >= self.max_pending:
+            await self.flush()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    async def flush(self) -> int:
+        """Wait until every queued letter is acknowledged; letters whose send failed for a transient
+        reason (a broker outage) are sent again until they are."""
+        pending, self._pending = self._pending, []
+        done = 0
+        while pending:
+            results = await asyncio.gather(*(fut for _letter, fut in pending), return_exceptions=True)
+            failed = []
+            for (letter, _fut), result in zip(pending, results):
+                if isinstance(result, BaseException):
+                    if not is_transient(result):
+                        raise result  # the caller records no progress past the letters not sent
+                    failed.append(letter)
+                else:
+                    done += 1
+            if failed:
+                log.warning("%d dead letters not acknowledged; sending them again", len(failed))
+                await asyncio.sleep(0.5)
+            pending = [(letter, await self._queue(letter)) for letter in failed]
+        self.sent += done
+        return done

@@ -20,6 +20,10 @@ is what arrived after the last publication (at most ``NEXUSKV_CALIBRATION_PUBLIS
 not yet committed are redelivered, so some of it is folded in again). Observations are keyed by
 (model, link or tier), so every observation of one entry reaches the same worker.
 
+Supervision: an error in the agent other than a malformed observation crashes the Faust app
+(Faust would otherwise stop only the agent and leave a process that answers ``/metrics`` but
+calibrates nothing), so the process exits non-zero; ``/livez`` and ``/readyz`` report it.
+
 Run: ``python -m streams.calibration_agent`` (``nexuskv up`` starts it).
 """
 
@@ -48,7 +52,7 @@ from nexuskv.profiles import shipped_cost_model
 from streams.bus import dead_letter_for
 from streams.faust_app import make_faust_app
 from streams.policy_file import load_policy
-from streams.telemetry import init_service
+from streams.telemetry import HEALTH, init_service
 
 __all__ = ["SERVICE", "CalibrationWorker", "build_app", "main"]
 
@@ -131,22 +135,33 @@ def build_app(url: BrokerUrl, *, base: CostModel, policy: ExecutionPolicy, min_o
     async def send(entry: CostModelEntry) -> None:
         await cost_models.send(key=entry.key.encode(), value=codec.encode(COST_MODELS, entry))
 
+    async def take(event: Any) -> None:
+        try:
+            record = worker.decode(event.value)
+        except ContractError as exc:
+            worker.rejected += 1
+            letter = dead_letter_for(OBSERVATIONS.name, event.message, exc, service=name, now=worker.clock())
+            await dead_letters.send(key=OBSERVATIONS.name.encode(), value=codec.encode(DEAD_LETTER, letter))
+            return
+        worker.fold(record)
+        for due in worker.due():
+            await send(worker.publish(due))
+
     @app.agent(observations)
     async def calibrate(stream: Any) -> None:
+        HEALTH.set_ready("observations", True)
         async for event in stream.events():
             try:
-                record = worker.decode(event.value)
-            except ContractError as exc:
-                worker.rejected += 1
-                letter = dead_letter_for(OBSERVATIONS.name, event.message, exc, service=name, now=worker.clock())
-                await dead_letters.send(key=OBSERVATIONS.name.encode(), value=codec.encode(DEAD_LETTER, letter))
-                continue
-            worker.fold(record)
-            for due in worker.due():
-                await send(worker.publish(due))
+                await take(event)
+            except Exception as exc:  # noqa: BLE001 - a dead agent must take the process with it
+                log.exception("%s: calibration failed; stopping", name)
+                HEALTH.fail(f"{type(exc).__name__}: {exc}")
+                await app.crash(exc)
+                raise
 
     @app.timer(interval=publish_s)
     async def publish_tail() -> None:  # a quiet stream's last observations
+        HEALTH.beat()  # this loop answers (a held loop is not alive: /livez)
         for due in worker.due():
             await send(worker.publish(due))
 

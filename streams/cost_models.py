@@ -29,7 +29,7 @@ from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.topics import COST_MODELS
 from nexuskv.cost import CostModel
 from nexuskv.errors import BrokerError, ContractError
-from streams.bus import dead_letter_for, make_consumer, send_dead_letter
+from streams.bus import dead_letter_for, make_consumer, retry_transient, send_dead_letter
 
 __all__ = ["read_cost_models", "CostModelReplica"]
 
@@ -121,8 +121,9 @@ class CostModelReplica:
                         entry = self.apply(rec.value)
                     except ContractError as exc:
                         self.rejected += 1
-                        await send_dead_letter(producer, dead_letter_for(COST_MODELS.name, rec, exc,
-                                                                         service=self.service, now=self.clock()))
+                        letter = dead_letter_for(COST_MODELS.name, rec, exc, service=self.service, now=self.clock())
+                        await retry_transient(lambda letter=letter: send_dead_letter(producer, letter),
+                                              what=f"{self.service}: dead-lettering a cost-model entry")
                         continue
                     log.info("cost model %s: %s v%d (%d observations)", self.model.version, entry.key,
                              entry.version, entry.observations)

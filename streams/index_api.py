@@ -16,14 +16,21 @@ answers ``{"num_blocks", "lag_events", "lag_ms", "matches": [{"worker", "tier", 
   scope whatever the body says (a body naming another tenant is refused with 403), and the index
   only matches blocks stored in that scope, so a caller sees only its tenant's state.
 
-``GET /healthz`` (no token) answers ``{"ok": true, "lag_events": n}`` and nothing tenant-specific.
+* **Robust to hostile bodies**: at most 8 MiB; JSON nested deeper than :data:`MAX_DEPTH` levels,
+  malformed JSON, unknown shapes and out-of-range values (``block_size`` must be 1-65536) are a
+  400 with the reason, never a 500. Token ids are keyed by the replica with a bounded keyer cache
+  (:data:`streams.replica.KEYER_CACHE`), so 20,000 distinct block sizes cost nothing lasting.
+
+``GET /healthz`` (no token) answers ``{"ok": true, "lag_events": n}`` and nothing tenant-specific
+(503 with ``ok: false`` once the replica stopped applying). The service exits non-zero when its
+replica's apply task or its HTTP server fails (:class:`streams.supervisor.Supervisor`).
 Run: ``python -m streams.index_api`` (``nexuskv up`` starts it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
+import json
 import logging
 import sys
 from collections.abc import Mapping
@@ -35,13 +42,17 @@ from nexuskv.config import Settings
 from nexuskv.errors import ConfigError, IdentityError, NexusKVError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
+from streams.process import freeze_startup_heap
 from streams.replica import IndexReplica
-from streams.telemetry import init_service
+from streams.supervisor import Supervisor, run_service
+from streams.telemetry import HEALTH, init_service
 
 __all__ = ["make_lookup_app", "result_json", "main"]
 
 log = logging.getLogger("nexuskv.index_api")
 MAX_KEYS = 1 << 16
+MAX_BLOCK_SIZE = 1 << 16
+MAX_DEPTH = 8  # the deepest a valid body goes is 3 (body, scope, value)
 _SCOPE_FIELDS = ("model", "model_revision", "tokenizer_revision", "descriptor_id", "lora", "cache_salt")
 
 
@@ -67,6 +78,33 @@ def _tenant_of(request: web.Request, tokens: Mapping[str, str]) -> str | None:
     return found
 
 
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests lists and objects, counting up to ``limit + 1`` (iterative)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+                         if isinstance(child, (list, dict)))
+    return deepest
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request body as JSON; ValueError (a 400) for anything else, nested too deeply included."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # CPython's decoder refuses nesting beyond the interpreter's recursion limit
+        raise ValueError(f"body nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ValueError(f"body is not JSON: {type(exc).__name__}") from None
+    if _depth(body, MAX_DEPTH) > MAX_DEPTH:
+        raise ValueError(f"body nested deeper than {MAX_DEPTH} levels")
+    return body
+
+
 def make_lookup_app(replica: IndexReplica, tokens: Mapping[str, str]) -> web.Application:
     """The aiohttp application; ``tokens`` maps bearer token -> tenant namespace."""
     tokens = dict(tokens)
@@ -79,7 +117,7 @@ def make_lookup_app(replica: IndexReplica, tokens: Mapping[str, str]) -> web.App
             return web.json_response({"error": "unauthorized"}, status=401,
                                      headers={"WWW-Authenticate": 'Bearer realm="nexuskv-index"'})
         try:
-            body = await request.json()
+            body = parse_body(await request.read())
             if not isinstance(body, dict) or not isinstance(body.get("scope"), dict):
                 raise ValueError("body must be an object with a scope object")
             asked = body["scope"].get("tenant_namespace")
@@ -94,16 +132,20 @@ def make_lookup_app(replica: IndexReplica, tokens: Mapping[str, str]) -> web.App
                 result = replica.lookup(scope, [int(k, 16) for k in keys])
             else:
                 token_ids, block_size = body.get("token_ids"), body.get("block_size")
-                if not isinstance(token_ids, list) or not isinstance(block_size, int) or block_size < 1:
-                    raise ValueError("give keys, or token_ids with a positive block_size")
+                if (not isinstance(token_ids, list) or not isinstance(block_size, int) or isinstance(block_size, bool)
+                        or not 1 <= block_size <= MAX_BLOCK_SIZE):
+                    raise ValueError(f"give keys, or token_ids with a block_size from 1 to {MAX_BLOCK_SIZE}")
                 if len(token_ids) > MAX_KEYS * block_size:
                     raise ValueError("token_ids: too many")
                 result = replica.lookup_tokens(scope, token_ids, block_size)
-        except (ValueError, TypeError, KeyError, IdentityError) as exc:
-            return web.json_response({"error": f"bad request: {str(exc).splitlines()[0][:300]}"}, status=400)
+        except (ValueError, TypeError, KeyError, AttributeError, IdentityError, RecursionError) as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            return web.json_response({"error": f"bad request: {first[:300]}"}, status=400)
         return web.json_response(result_json(result))
 
     async def health(_request: web.Request) -> web.Response:
+        if replica.failure is not None:
+            return web.json_response({"ok": False, "lag_events": replica.lag()[0]}, status=503)
         return web.json_response({"ok": True, "lag_events": replica.lag()[0]})
 
     app = web.Application(client_max_size=8 << 20)
@@ -112,20 +154,27 @@ def make_lookup_app(replica: IndexReplica, tokens: Mapping[str, str]) -> web.App
     return app
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, stop: Any) -> None:
     url = settings.broker_url
     assert url is not None
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
-                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index")
+                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
+                           bus_secret=settings.bus_secret_bytes, client_id="nexuskv-index-api")
     await replica.start()
+    supervisor = Supervisor("index-api")
+    assert replica.task is not None
+    supervisor.watch(replica.task, name="index-replica")
     runner = web.AppRunner(make_lookup_app(replica, settings.api_tokens))
     await runner.setup()
     site = web.TCPSite(runner, settings.index_api_host, settings.index_api_port)
     await site.start()
+    HEALTH.set_ready("http", True)
+    freeze_startup_heap()
     log.info("index lookup endpoint on http://%s:%d", settings.index_api_host, settings.index_api_port)
     try:
-        await asyncio.Event().wait()
+        await supervisor.until(stop)
     finally:
+        await supervisor.stop()
         await runner.cleanup()
         await replica.stop()
 
@@ -139,11 +188,7 @@ def main() -> int:
         print(f"index-api: error: {exc}", file=sys.stderr)
         return 2
     init_service("index-api", settings)
-    try:
-        asyncio.run(_serve(settings))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_service("index-api", lambda stop: _serve(settings, stop))
 
 
 if __name__ == "__main__":  # pragma: no cover

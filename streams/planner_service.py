@@ -16,7 +16,16 @@ as ``C_pollution`` (the policy's flat default where a worker publishes none).
 Deadlines: a ticker abandons transfers whose deadline passed (a superseding recompute decision,
 revision + 1, and a ``cancel`` hint), and turns copies that land late into ``demote`` hints
 (:mod:`nexuskv.prefetch`). The execution policy file is re-read when it changes; a bad edit is
-logged field by field and the last valid policy stays in force.
+logged field by field and the last valid policy stays in force (a reload never raises: a file
+nested too deeply or cut short is a refused edit like any other).
+
+Supervision: the serve, cost-model follower, ticker and committer tasks run under a
+:class:`streams.supervisor.Supervisor` (with the index replica's apply task, when ``main`` wires
+one): if one fails, the others stop, :meth:`PlannerService.wait` raises, and the process exits
+non-zero instead of answering ``/metrics`` while it no longer plans. A broker outage is not a
+failure: sends and commits wait it out (readiness says so meanwhile) and go on when it is back. Readiness (partitions held,
+cost models followed) is on ``/readyz``; liveness on ``/livez``. A tick that fails on one
+transfer's bookkeeping is logged and the next tick goes on.
 
 Delivery is at least once: a batch's offsets are committed only after the records it produced
 were acknowledged, by a background task every ``commit_s`` (a commit awaited in the loop is a broker
@@ -51,6 +60,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
@@ -77,11 +87,13 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
-from streams.bus import dead_letter_for, make_consumer, make_producer, send_dead_letter
+from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
 from streams.cost_models import CostModelReplica
 from streams.policy_file import PolicyFile
-from streams.process import stop_on_signals
+from streams.process import freeze_startup_heap
+from streams.supervisor import Supervisor, run_service
 from streams.telemetry import (
+    HEALTH,
     METRICS,
     carrier_headers,
     decision_attributes,
@@ -268,7 +280,9 @@ class PlannerService:
         self.rejected = 0
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._letters: DeadLetterQueue | None = None
+        self.supervisor: Supervisor | None = None
+        self.tick_failures = 0
 
     @property
     def policy(self) -> ExecutionPolicy:
@@ -288,20 +302,37 @@ class PlannerService:
             if asyncio.get_running_loop().time() > deadline:
                 raise NexusKVError(f"{self.service}: no partitions assigned within {timeout_s:.0f}s")
             await asyncio.sleep(0.02)
-        self._tasks = [asyncio.create_task(self._serve(), name=f"{self.service}-serve"),
-                       asyncio.create_task(self.replica.run(self._producer), name=f"{self.service}-cost-models"),
-                       asyncio.create_task(self.tier_prices.run(self._producer), name=f"{self.service}-tier-prices"),
-                       asyncio.create_task(self._tick(), name=f"{self.service}-tick"),
-                       asyncio.create_task(self._commit_loop(), name=f"{self.service}-commit")]
+        self._letters = DeadLetterQueue(self._producer)
+        sup = self.supervisor = Supervisor(self.service)
+        sup.spawn(self._serve(), name=f"{self.service}-serve")
+        sup.spawn(self.replica.run(self._producer), name=f"{self.service}-cost-models")
+        sup.spawn(self.tier_prices.run(self._producer), name=f"{self.service}-tier-prices")
+        sup.spawn(self._tick(), name=f"{self.service}-tick")
+        sup.spawn(self._commit_loop(), name=f"{self.service}-commit")
+        HEALTH.set_ready("plan-requests", True, "partitions assigned")
         log.info("%s: serving with policy %s, cost model %s", self.service, self.policy.tag, self.replica.model.version)
 
+    def watch(self, task: asyncio.Task | None, *, name: str) -> None:
+        """Supervise another task of this process (the index replica's apply task) with ours."""
+        if task is not None and self.supervisor is not None:
+            self.supervisor.watch(task, name=name)
+
+    async def wait(self) -> None:
+        """Return never while the service works; raise ServiceFailed once a supervised task failed."""
+        if self.supervisor is None:
+            raise BrokerError(f"{self.service}: not started")
+        await self.supervisor.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self.supervisor is not None and self.supervisor.alive
+
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        if self._letters is not None:
+            with contextlib.suppress(Exception):
+                await self._letters.flush()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._commit()
@@ -312,13 +343,21 @@ class PlannerService:
             await self._producer.stop()
 
     async def _send_all(self, records: list[Outgoing]) -> None:
-        if self._producer is None:
+        """Send and wait for every acknowledgement; a broker outage is waited out (records sent
+        again: delivery is at least once, and record ids let consumers drop the repeats)."""
+        producer = self._producer
+        if producer is None:
             raise BrokerError(f"{self.service}: not started")
-        futures = [await self._producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
-                                             headers=list(r.headers) or None)
-                   for r in records]
-        if futures:
+        if not records:
+            return
+
+        async def once() -> None:
+            futures = [await producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
+                                           headers=list(r.headers) or None)
+                       for r in records]
             await asyncio.gather(*futures)
+
+        await retry_transient(once, what=f"{self.service}: publishing {len(records)} records")
 
     async def _serve(self) -> None:
         consumer, producer = self._consumer, self._producer
@@ -349,16 +388,25 @@ class PlannerService:
                                         rec.offset, exc)
                         else:
                             log.exception("%s: failed on %s@%d/%d", self.service, rec.topic, rec.partition, rec.offset)
-                        await send_dead_letter(producer, dead_letter_for(rec.topic, rec, exc, service=self.service,
-                                                                         now=now))
+                        assert self._letters is not None
+                        await self._letters.put(dead_letter_for(rec.topic, rec, exc, service=self.service, now=now))
             await self._send_all(out)
+            if self._letters is not None:
+                await self._letters.flush()  # acknowledged before the offsets below may be committed
             for tp, records in batches.items():
                 self._acked[tp] = records[-1].offset + 1
 
     async def _commit(self) -> None:
         if self._acked and self._consumer is not None:
             offsets, self._acked = self._acked, {}
-            await self._consumer.commit(offsets)
+            try:
+                await self._consumer.commit(offsets)
+            except KafkaError as exc:
+                if is_transient(exc):  # try again with the next commit (later offsets win)
+                    for tp, off in offsets.items():
+                        self._acked[tp] = max(off, self._acked.get(tp, 0))
+                log.warning("%s: offset commit failed (%s: %s)%s", self.service, type(exc).__name__, exc,
+                            "; retrying" if is_transient(exc) else "; the partitions moved, their new owner goes on")
 
     async def _commit_loop(self) -> None:
         while True:
@@ -370,7 +418,12 @@ class PlannerService:
         while True:
             await asyncio.sleep(self.tick_s)
             now = self.clock()
-            records = self.core.on_tick(now=now)
+            try:
+                records = self.core.on_tick(now=now)
+            except Exception:  # noqa: BLE001 - one tick's bookkeeping must not stop deadlines for good
+                self.tick_failures += 1
+                log.exception("%s: deadline tick failed; the next tick goes on", self.service)
+                records = []
             if records:
                 await self._send_all(records)
             if self.policy_file is not None and now - last_reload >= self.policy_reload_s:
@@ -391,33 +444,36 @@ class PlannerService:
             log.info("%s: policy %s in force", self.service, outcome.policy.tag)
 
 
-async def _run(settings: Settings, url: BrokerUrl) -> None:  # pragma: no cover - exercised by `nexuskv up`
+async def _run(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:  # pragma: no cover - `nexuskv up`
     from streams.replica import IndexReplica
 
     # The planner's index: an in-process replica of every kv-events partition, bootstrapped from the
     # index workers' checkpoints, so lookups never cross the bus.
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
-                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index", client_id="nexuskv-planner-index")
+                           checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
+                           client_id="nexuskv-planner-index", bus_secret=settings.bus_secret_bytes)
     await replica.start(timeout_s=settings.broker_start_timeout_s)
     service = PlannerService(url, replica, policy_file=settings.policy_file,
                              identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)
-    await service.start(timeout_s=settings.broker_start_timeout_s)
-    stop = stop_on_signals()
     try:
-        await stop.wait()
+        await service.start(timeout_s=settings.broker_start_timeout_s)
+        service.watch(replica.task, name="index-replica")
+        freeze_startup_heap()
+        assert service.supervisor is not None
+        await service.supervisor.until(stop)
     finally:
         await service.stop()
         await replica.stop()
 
 
-def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
+def main() -> int:  # pragma: no cover - exercised by `nexuskv up`
     from streams.broker import open_bus
 
     settings = Settings.from_env()
     init_service(SERVICE, settings)
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
-        asyncio.run(_run(settings, url))
+        return run_service(SERVICE, lambda stop: _run(settings, url, stop))
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    raise SystemExit(main())

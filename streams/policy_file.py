@@ -3,6 +3,13 @@
 File I/O lives here, at the edge; :mod:`nexuskv.policy` parses and validates the bytes. Start-up
 is strict (an invalid file raises PolicyError naming every bad field); a reload is not (the last
 known good policy stays in force and the outcome carries the error).
+
+Only a whole file goes into force: a TOML policy file must end with
+:data:`nexuskv.policy.POLICY_END_MARKER` (a truncated one is refused like any invalid edit), and
+a file that changes while it is read is read again at the next poll. Write a new policy beside
+the old file and rename it into place. :meth:`PolicyFile.poll` never raises: whatever goes
+wrong (a file nested so deeply that the parser recurses too far, one that cannot be read) is a
+refused edit with its reason.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from nexuskv.errors import PolicyError
-from nexuskv.policy import ExecutionPolicy, PolicyHolder, ReloadOutcome, parse_policy
+from nexuskv.policy import ExecutionPolicy, PolicyHolder, ReloadOutcome, check_complete, parse_policy
 
 __all__ = ["PolicyFile", "load_policy"]
 
@@ -27,6 +34,7 @@ def load_policy(path: Path) -> ExecutionPolicy:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise PolicyError(str(path), [("<file>", f"cannot read: {exc.strerror or exc}")]) from None
+    check_complete(raw, fmt=_format_of(Path(path)), origin=str(path))
     return parse_policy(raw, fmt=_format_of(Path(path)), origin=str(path))
 
 
@@ -56,14 +64,21 @@ class PolicyFile:
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def poll(self) -> ReloadOutcome | None:
-        """Reload if the file changed since the last look; None when it did not."""
+        """Reload if the file changed since the last look; None when it did not (or is changing now)."""
         stamp = self._stat()
         if stamp == self._stamp:
             return None
-        self._stamp = stamp
         try:
             raw = self.path.read_bytes()
         except OSError as exc:
+            self._stamp = stamp
             err = PolicyError(str(self.path), [("<file>", f"cannot read: {exc.strerror or exc}")])
             return ReloadOutcome(self.holder.current, changed=False, error=err)
-        return self.holder.offer(raw, fmt=_format_of(self.path), origin=str(self.path))
+        if self._stat() != stamp:
+            return None  # written while we read: look again at the next poll
+        self._stamp = stamp
+        try:
+            return self.holder.offer(raw, fmt=_format_of(self.path), origin=str(self.path), whole_file=True)
+        except Exception as exc:  # noqa: BLE001 - a reload must never stop its caller's loop
+            err = PolicyError(str(self.path), [("<document>", f"cannot be read as a policy: {type(exc).__name__}")])
+            return ReloadOutcome(self.holder.current, changed=False, error=err)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nexuskv.errors import BrokerError
 
-__all__ = ["ManagedProcess", "free_port", "kafka_api_versions_ok", "wait_for_kafka"]
+__all__ = ["ManagedProcess", "free_port", "kafka_api_versions_ok", "wait_for_kafka", "freeze_startup_heap"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -43,6 +43,22 @@ def stop_on_signals() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now out of the garbage collector's scans (``gc.freeze``); returns how many.
+
+    A service calls it once, when it has started (modules imported, settings read, replicas
+    restored). A full collection then scans only what the service allocated since: decoding one
+    large record (65,536 events) triggers full collections, and with every module's objects in
+    the scan each one held the event loop for 100-170 ms here; frozen, the pause is what the
+    record itself allocated. Frozen objects are never freed, which for start-up state (modules,
+    classes, settings) they would not be anyway."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,6 +86,11 @@ class ManagedProcess:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status once the process has ended (negative: killed by that signal); else None."""
+        return self._proc.poll() if self._proc is not None else None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,10 @@ unflushed tail, and the store's primary keys (request id, transfer id, topic/par
 drop the duplicates. Malformed records go to ``nexuskv.dead-letter`` with the reason.
 
 DuckDB I/O never runs on the event loop (``stack.md`` §1.8: a blocked loop stalls heartbeats):
-flushes run in a worker thread.
+flushes run in a worker thread. Dead letters are sent in batches and acknowledged before the
+offsets past their records are committed. A broker outage is waited out; a failure (DuckDB) ends
+the service with a non-zero exit status; readiness (partitions assigned) and
+liveness are on ``/readyz`` and ``/livez``.
 
 Run: ``python -m streams.sink`` (``NEXUSKV_BROKER``, ``NEXUSKV_DECISION_DB``).
 """
@@ -21,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from analytics.store import DecisionStore
@@ -31,8 +35,8 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import NexusKVError
-from streams.process import stop_on_signals
-from streams.telemetry import METRICS, init_service, span_from_record
+from streams.supervisor import Supervisor, run_service
+from streams.telemetry import HEALTH, METRICS, init_service, span_from_record
 
 __all__ = ["DecisionSink", "SinkStats"]
 
@@ -68,21 +72,28 @@ class DecisionSink:
         self._results: list[TransferResult] = []
         self._observations: list[tuple[ObservationRecord, str]] = []
         self._offsets: dict[TopicPartition, int] = {}
+        self._letters = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        from streams.bus import make_consumer, make_producer
+        from streams.bus import DeadLetterQueue, make_consumer, make_producer
 
         consumer = make_consumer(self.url, *_TOPICS.values(), client_id="decision-sink", group_id=self.group_id)
         producer = make_producer(self.url, client_id="decision-sink-dlq")
         await consumer.start()
         await producer.start()
+        self._letters = DeadLetterQueue(producer)
+        supervisor = Supervisor("decision-sink")
         last_flush = last_snapshot = time.monotonic()
         try:
             while not stop.is_set():
+                if supervisor.failure is not None:
+                    raise supervisor.failure
                 batches = await consumer.getmany(timeout_ms=int(self.flush_interval_s * 1000), max_records=2000)
+                if consumer.assignment():
+                    HEALTH.set_ready("partitions", True)
                 for tp, records in batches.items():
                     for record in records:
-                        await self._take(record, producer)
+                        await self._take(record)
                         self._offsets[tp] = record.offset + 1
                     high = consumer.highwater(tp)
                     if high is not None:
@@ -99,11 +110,12 @@ class DecisionSink:
             if self.snapshot_path:
                 await asyncio.to_thread(self.store.snapshot, self.snapshot_path)
         finally:
+            await supervisor.stop()
             await consumer.stop()
             await producer.stop()
 
-    async def _take(self, record: ConsumerRecord, producer: AIOKafkaProducer) -> None:
-        from streams.bus import dead_letter_for, decode_record, send_dead_letter
+    async def _take(self, record: ConsumerRecord) -> None:
+        from streams.bus import dead_letter_for, decode_record
 
         self.stats.consumed += 1
         topic = _TOPICS[record.topic]
@@ -114,8 +126,8 @@ class DecisionSink:
                 value = decode_record(topic, record)
         except NexusKVError as exc:
             METRICS.events_rejected.labels("decision-sink", record.topic).inc()
-            await send_dead_letter(producer, dead_letter_for(record.topic, record, exc, service="decision-sink",
-                                                             now=time.time()))
+            assert self._letters is not None
+            await self._letters.put(dead_letter_for(record.topic, record, exc, service="decision-sink", now=time.time()))
             self.stats.dead_lettered += 1
             return
         if isinstance(value, Decision):
@@ -133,16 +145,21 @@ class DecisionSink:
         written = await asyncio.to_thread(self.store.write_all, decisions, results, observations)
         for table, n in written.items():
             self.stats.written[table] += n
-        await consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in self._offsets.items()})
+        if self._letters is not None:
+            await self._letters.flush()
+        offsets = {tp: OffsetAndMetadata(off, "") for tp, off in self._offsets.items()}
+        try:
+            await consumer.commit(offsets)
+        except KafkaError as exc:  # written but not committed: a restart re-delivers them, the keys drop the repeats
+            log.warning("decision sink: offset commit failed (%s: %s)", type(exc).__name__, exc)
         self._offsets.clear()
         self.stats.flushes += 1
 
 
-async def _serve(settings: Settings, url: BrokerUrl) -> None:
+async def _serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:
     db = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
     store = DecisionStore(db)
     sink = DecisionSink(url, store, snapshot_path=db.with_name(db.stem + "-snapshot.duckdb"))
-    stop = stop_on_signals()
     try:
         await sink.run(stop)
     finally:
@@ -156,8 +173,7 @@ def main() -> int:
     from streams.broker import open_bus
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
-        asyncio.run(_serve(settings, url))
-    return 0
+        return run_service("decision-sink", lambda stop: _serve(settings, url, stop))
 
 
 if __name__ == "__main__":  # pragma: no cover

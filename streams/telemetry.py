@@ -16,23 +16,38 @@ runs in its own thread, so its receive spans would be orphans, and two injectors
 **Metrics.** :data:`METRICS` are Prometheus collectors shared by the services (events applied
 and rejected, consumer lag, decisions by action and reason, transfer outcomes, index size);
 :func:`serve_metrics` exposes them on ``NEXUSKV_METRICS_PORT`` (0: off).
+
+**Health.** :data:`HEALTH` is the process's liveness and readiness, served beside the metrics
+as ``GET /livez`` and ``GET /readyz`` (200 with ``{"ok": true, ...}``, or 503 with the reason) and
+as the gauges ``nexuskv_service_alive`` and ``nexuskv_service_ready``. *Alive*: no supervised task
+has failed and the event loop answered its heartbeat within :data:`LOOP_STALL_S` (a loop held by
+one piece of work is not alive). *Ready*: every readiness condition the service declared is met
+(its consumer got partitions, its replica caught up, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
 __all__ = [
+    "HEALTH",
+    "Health",
+    "LOOP_STALL_S",
     "METRICS",
     "REGISTRY",
     "carrier_headers",
@@ -169,9 +184,73 @@ class _Metrics:
         # kind: capacity, used, reserved (prefetch room and copies landing), pinned.
         self.tier_bytes = Gauge("nexuskv_tier_bytes", "bytes of a managed tier by kind", ["tier", "kind"],
                                 registry=registry)
+        self.unrecoverable = Counter("nexuskv_index_unrecoverable_records",
+                                     "kv-events records that retention removed before this index applied them",
+                                     ["service", "topic"], registry=registry)
+        self.alive = Gauge("nexuskv_service_alive", "1 while no supervised task failed and the loop answers",
+                           ["service"], registry=registry)
+        self.ready = Gauge("nexuskv_service_ready", "1 while every readiness condition of the service holds",
+                           ["service"], registry=registry)
 
 
 METRICS = _Metrics(REGISTRY)
+
+
+LOOP_STALL_S = 10.0  # an event loop that has not answered its heartbeat for this long is not alive
+
+
+class Health:
+    """This process's liveness and readiness (one service per process); thread-safe."""
+
+    def __init__(self) -> None:
+        self.service = "nexuskv"
+        self._lock = threading.Lock()
+        self._ready: dict[str, tuple[bool, str]] = {}
+        self._failure: str | None = None
+        self._beat: float | None = None  # monotonic time of the loop's last heartbeat; None: not watched
+
+    def set_ready(self, condition: str, ok: bool, detail: str = "") -> None:
+        with self._lock:
+            self._ready[condition] = (ok, detail)
+        METRICS.ready.labels(self.service).set(1 if self.ready()[0] else 0)
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason[:500]
+        METRICS.alive.labels(self.service).set(0)
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+    def alive(self) -> tuple[bool, str]:
+        with self._lock:
+            failure, beat = self._failure, self._beat
+        if failure is not None:
+            return False, f"failed: {failure}"
+        if beat is not None and time.monotonic() - beat > LOOP_STALL_S:
+            return False, f"event loop has not answered for {time.monotonic() - beat:.1f}s"
+        return True, "alive"
+
+    def ready(self) -> tuple[bool, str]:
+        alive, why = self.alive()
+        if not alive:
+            return False, why
+        with self._lock:
+            waiting = [f"{name}: {detail}" if detail else name for name, (ok, detail) in self._ready.items() if not ok]
+        return (not waiting), ("; ".join(waiting) if waiting else "ready")
+
+    async def heartbeat(self, interval_s: float = 1.0) -> None:
+        """Beat every ``interval_s`` on the running loop (a supervised task of every service)."""
+        import asyncio
+
+        while True:
+            self.beat()
+            METRICS.alive.labels(self.service).set(1 if self.alive()[0] else 0)
+            await asyncio.sleep(interval_s)
+
+
+HEALTH = Health()
 
 
 def quiet_libraries(level: str) -> None:
@@ -182,17 +261,45 @@ def quiet_libraries(level: str) -> None:
 
 
 def init_service(service: str, settings: Any) -> None:
-    """What every service process does first: logging, trace export, the metrics endpoint."""
+    """What every service process does first: logging, trace export, the metrics and health endpoint."""
+    HEALTH.service = service
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries(settings.log_level)
     setup_tracing(service, settings.otlp_endpoint)
     serve_metrics(settings.metrics_port)
 
 
-def serve_metrics(port: int) -> bool:
-    """Expose :data:`REGISTRY` on ``port`` (0: off). Returns whether a server was started."""
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def health_wsgi_app(registry: CollectorRegistry = REGISTRY, health: Health = HEALTH) -> Any:
+    """``/livez`` and ``/readyz`` from ``health``; every other path the Prometheus metrics."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/livez", "/readyz"):
+            ok, detail = health.alive() if path == "/livez" else health.ready()
+            body = json.dumps({"ok": ok, "service": health.service, "detail": detail}).encode()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return metrics(environ, start_response)
+
+    return app
+
+
+def serve_metrics(port: int, *, host: str = "0.0.0.0") -> bool:
+    """Expose :data:`REGISTRY` and :data:`HEALTH` on ``port`` (0: off). Returns whether a server was started."""
     if port <= 0:
         return False
-    start_http_server(port, addr="0.0.0.0", registry=REGISTRY)
-    log.info("metrics on :%d/metrics", port)
+    server = make_server(host, port, health_wsgi_app(), _ThreadingServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="nexuskv-metrics", daemon=True).start()
+    log.info("metrics on :%d/metrics, health on /livez and /readyz", port)
     return True

@@ -14,6 +14,11 @@ crash re-runs (never drops) a command; re-running one is harmless, as blocks alr
 destination are not copied again. On SIGINT/SIGTERM the executor cancels what is queued or
 running, publishes those ``cancelled`` results, commits, and exits.
 
+Supervised: a broker outage is waited out (results are published when it is back); a command
+whose result cannot be published for another reason is not marked done, so its offset is never committed; the service then stops and exits
+non-zero (a restarted executor runs the command again). Readiness — partitions assigned — and
+liveness are on ``/readyz`` and ``/livez``.
+
 Tiers (:func:`catalog_from_settings`): device memory (CUDA, or a host-memory stand-in that says
 so), host DRAM, local disk under ``NEXUSKV_DATA_DIR/tiers/<worker>/disk``, and the remote tier at
 ``NEXUSKV_REMOTE_TIER`` when set.
@@ -22,6 +27,7 @@ so), host DRAM, local disk under ``NEXUSKV_DATA_DIR/tiers/<worker>/disk``, and t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -29,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -42,9 +49,17 @@ from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
-from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
-from streams.process import stop_on_signals
-from streams.telemetry import METRICS, init_service, start_span_from_record
+from streams.bus import (
+    DeadLetterQueue,
+    dead_letter_for,
+    decode_record,
+    make_consumer,
+    make_producer,
+    retry_transient,
+    send,
+)
+from streams.supervisor import ServiceFailed, Supervisor, run_service
+from streams.telemetry import HEALTH, METRICS, init_service, start_span_from_record
 from streams.topic_keys import route
 
 __all__ = ["TransferService", "catalog_from_settings", "main"]
@@ -83,6 +98,8 @@ class TransferService:
         self.clock = clock
         self.ready = asyncio.Event()  # set once the consumer has joined and got its partitions
         self.handled = 0
+        self.failure: ServiceFailed | None = None
+        self._letters: DeadLetterQueue | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         client = f"{SERVICE}-{self.worker}-{uuid.uuid4().hex[:6]}"
@@ -90,40 +107,65 @@ class TransferService:
         producer = make_producer(self.url, client_id=client)
         await producer.start()
         await consumer.start()
+        self._letters = DeadLetterQueue(producer)
         offsets = _Offsets()
         committed: dict[TopicPartition, int] = {}
         tasks: set[asyncio.Task] = set()
+        supervisor = Supervisor(SERVICE)
+
+        def finished(task: asyncio.Task, tp: TopicPartition, offset: int) -> None:
+            tasks.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                if self.failure is None:  # not done: its offset is never committed, a restart re-runs it
+                    error = None if task.cancelled() else task.exception()
+                    self.failure = ServiceFailed(SERVICE, f"publish of {tp.topic}@{tp.partition}/{offset}", error)
+                    HEALTH.fail(str(self.failure))
+                    log.error("%s", self.failure, exc_info=error)
+                return
+            offsets.done(tp, offset)
+
         try:
             while not stop.is_set():
+                if self.failure is not None:
+                    raise self.failure
+                if supervisor.failure is not None:
+                    raise supervisor.failure
                 batch = await consumer.getmany(timeout_ms=200, max_records=256)
                 if consumer.assignment():
                     self.ready.set()
+                    HEALTH.set_ready("partitions", True)
                 for tp, records in batch.items():
                     for record in records:
                         offsets.begin(tp, record.offset)
-                        task = self._handle(producer, record)
+                        task = self._handle(record)
                         if task is None:
                             offsets.done(tp, record.offset)
                         else:
                             tasks.add(task)
-                            task.add_done_callback(tasks.discard)
-                            task.add_done_callback(lambda _t, tp=tp, o=record.offset: offsets.done(tp, o))
+                            task.add_done_callback(lambda t, tp=tp, o=record.offset: finished(t, tp, o))
+                await self._letters.flush()
                 await self._commit(consumer, offsets, committed)
         finally:
+            await supervisor.stop()
             await asyncio.to_thread(self.executor.close, "the transfer executor is stopping")
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            await self._commit(consumer, offsets, committed)
+            if self.failure is None:
+                with contextlib.suppress(Exception):
+                    await self._letters.flush()
+                await self._commit(consumer, offsets, committed)
             await consumer.stop()
             await producer.stop()
 
-    def _handle(self, producer, record) -> asyncio.Task | None:
-        """Start one record's work; None when it is finished at once (skipped or dead-lettered)."""
+    def _handle(self, record) -> asyncio.Task | None:
+        """Start one record's work; None when it is finished at once (skipped, or its dead letter
+        queued: the loop flushes the queue before it commits)."""
+        producer = self._letters.producer if self._letters is not None else None
         try:
             command = decode_record(TRANSFERS, record)
         except ContractError as exc:
             letter = dead_letter_for(TRANSFERS.name, record, exc, service=SERVICE, now=self.clock())
-            return asyncio.create_task(self._dead_letter(producer, letter))
+            return asyncio.create_task(self._dead_letter(letter))
         if not isinstance(command, TransferCommand) or command.destination.worker != self.worker:
             return None
         span = start_span_from_record(SERVICE, "transfer.execute", record.headers, {
@@ -142,23 +184,30 @@ class TransferService:
                                  "nexuskv.duration_s": result.duration_s})
             METRICS.transfers.labels(result.status.value,
                                      f"{result.source.tier.value}->{result.destination.tier.value}").inc()
-            await send(producer, *route(result), result)
+            await retry_transient(lambda: send(producer, *route(result), result),
+                                  what=f"publishing transfer result {result.transfer_id}")
             if outcome.observation is not None:
-                await send(producer, *route(outcome.observation), outcome.observation)
+                obs = outcome.observation
+                await retry_transient(lambda: send(producer, *route(obs), obs), what="publishing a transfer timing")
         self.handled += 1
         log.info("transfer %s: %s (%d blocks, %d bytes, %.4fs)%s", result.transfer_id, result.status.value,
                  result.blocks_moved, result.bytes_moved, result.duration_s,
                  f": {result.error}" if result.error else "")
 
-    async def _dead_letter(self, producer, letter) -> None:
-        await send_dead_letter(producer, letter)
+    async def _dead_letter(self, letter) -> None:
+        assert self._letters is not None
+        await self._letters.put(letter)
         log.warning("dead-lettered a transfers record at offset %d: %s", letter.offset, letter.reason)
 
     @staticmethod
     async def _commit(consumer, offsets: _Offsets, committed: dict[TopicPartition, int]) -> None:
         due = {tp: o for tp, o in offsets.committable().items() if committed.get(tp) != o}
         if due:
-            await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in due.items()})
+            try:
+                await consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in due.items()})
+            except KafkaError as exc:  # not committed now: the next loop tries again (a rerun is harmless)
+                log.warning("offset commit failed (%s: %s)", type(exc).__name__, exc)
+                return
             committed.update(due)
 
 
@@ -193,12 +242,7 @@ def main() -> int:
     executor = TransferExecutor(catalog, lanes=settings.transfer_lanes, jobs=settings.transfer_jobs)
     service = TransferService(url, executor, worker=settings.worker)
 
-    async def serve() -> None:
-        stop = stop_on_signals()
-        await service.run(stop)
-
-    asyncio.run(serve())
-    return 0
+    return run_service(SERVICE, service.run)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,16 @@ index keys blocks from token ids, so each page is published as a one-block seque
 with cache salt ``sglang-hicache-page/1``): the index then keys it (tenant, model, descriptor,
 identity secret), scopes it and removes it exactly like any block, and anyone holding the page
 key finds it with a plain lookup. The page's canonical key is its payload's address in the data
-plane. What this does not give: a page is not joined with the same tokens' GPU blocks, which are
-keyed from tokens — the planner and routers see storage pages in the page scope.
+plane. The descriptor is the rank's shard (tensor-parallel rank, SGLang's host page layout), so
+ranks and layouts never read each other's bytes. What this does not give: a page is not joined
+with the same tokens' GPU blocks, which are keyed from tokens — the planner and routers see
+storage pages in the page scope. Pages of SGLang's other host pools (sliding window, Mamba,
+DSA indexer: its ``*_v2`` calls) are named ``<page key>.<pool>`` in the same scope.
+
+**Replicated state.** An MLA model's KV is the same on every TP rank and SGLang writes it from
+one rank only (``is_storage_writer``). Every rank keys it alike (one descriptor) and a reader
+rank reads what the writer (``owner``) stored: in the shared remote tier, or in the writer's
+disk folder on the same host (:class:`FolderSource`).
 
 **Facts.** The backend is a publisher (``worker``, e.g. ``sglang-hicache/10.0.0.5:30000/tp0``) of
 ``nexuskv.kv-events``: a stored page is a ``stored`` event in the backend's tier, a deleted or
@@ -22,14 +30,27 @@ evicted one a ``removed`` event, and a start is ``cleared`` (a new incarnation w
 empty: pages left by an earlier one are found again when SGLang writes them again, for free).
 
 **Gates.** ``exists`` and ``batch_exists`` answer from the index, never from the store alone: a
-page is there when a certain fact places it in a tier this backend can read (its own tier, or
-anyone's shared remote tier). ``batch_exists`` then asks the planner whether loading those pages
-beats recomputing them (``EG > 0`` with confidence, the cost of the backend's tier to GPU against
-recomputing ``pages * page_size`` tokens) and answers 0 when it does not — sglang#26305's file
-tier was slower than recomputing. Without a cost profile for the model the gate is the index
-alone (said once in the log). ``get`` reads only what the index vouches for, verifies the
-payload's checksum and address, and misses (None) when the payload is gone or wrong — never
-returns stale data; a page of its own found missing or corrupt is removed from the index.
+page is there when a certain fact places it in a tier this backend can read (its own tier, its
+owner's, or anyone's shared remote tier). ``batch_exists`` then asks the planner whether loading
+what SGLang will load beats recomputing it, and answers 0 when it does not (sglang#26305's file
+tier was slower than recomputing). SGLang loads the whole prefetch, so that is what is priced:
+
+* the pages before the call (``prefix``: SGLang's ``extra_info.prefix_keys``, already on its
+  device or host) are the context the recomputation would run at — a local GPU prefix in the
+  query, so recomputing ``n`` pages costs ``c1*e + c2*e*s`` at their real position ``s``;
+* SGLang 0.5.18+'s hybrid controller asks for the whole span in one call; its older (and 0.5.23's
+  plain) controller asks in batches of ``STORAGE_BATCH_SIZE`` pages and goes on only while a
+  batch is full. A full batch is not the end of the prefetch, so it is priced as the largest
+  prefetch SGLang can make from there (half its host pool, :meth:`HiCacheCore.use_host_pool`):
+  answered when even that would not pay back, 0; otherwise the batch, and the next call of the
+  same thread continues the run (its pages are the next batch's context when SGLang passes no
+  prefix keys). The last batch is priced for what it adds. A run that turns out short has then
+  loaded full batches that alone would not have paid: ``stats["answered_ahead"]`` counts them.
+
+Without a cost profile for the model the gate is the index alone (said once in the log). ``get``
+reads only what the index vouches for, verifies the payload's checksum and address, and misses
+(None) when the payload is gone or wrong — never returns stale data; a page of its own found
+missing or corrupt is removed from the index.
 
 **Eviction.** The tier holds at most its capacity; a ``set`` that does not fit evicts this
 backend's least recently used pages first (each a ``removed`` event).
@@ -43,32 +64,38 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from connectors.descriptors import publisher_identity
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import CostModel
 from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
-from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
+from nexuskv.dataplane.disk import payload_file, stored_header
+from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHeader, PayloadKey, verify_payload
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.errors import DataPlaneError, TierFullError
+from nexuskv.errors import DataPlaneError, IntegrityError, TierFullError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LocationMatch, LookupResult
 from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
 
-from connectors.descriptors import publisher_identity
-
-__all__ = ["PAGE_SCOPE_SALT", "PAGE_WORDS", "page_scope", "page_words", "page_event_hash", "HiCacheCore"]
+__all__ = ["PAGE_SCOPE_SALT", "PAGE_WORDS", "STORAGE_BATCH_SIZE", "page_scope", "page_words", "page_event_hash",
+           "FolderSource", "HiCacheCore", "folder_of"]
 
 log = logging.getLogger("nexuskv.sglang")
 
 PAGE_SCOPE_SALT = "sglang-hicache-page/1"
 PAGE_WORDS = 8  # a 32-byte page key as eight little-endian uint32 words
+#: Pages per ``batch_exists`` call of SGLang's batching controller (``hicache_storage.STORAGE_BATCH_SIZE``,
+#: 128 in 0.5.10-0.5.23; read from SGLang when it is installed).
+STORAGE_BATCH_SIZE = 128
+_MASK64 = (1 << 64) - 1
 
 
 def page_scope(descriptor: StateDescriptor) -> IdentityScope:
@@ -96,6 +123,40 @@ def page_event_hash(key: str) -> int:
     return int.from_bytes(_digest(key)[:8], "big")
 
 
+class FolderSource:
+    """Read-only access to another process's disk tier folder on this host (the writer rank's).
+
+    It keeps no index of its own: every read takes the file as it is now (``stored_header``) and
+    verifies checksum and address, so a file the owner is replacing or has deleted is a miss.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+
+    def header(self, key: PayloadKey) -> PayloadHeader | None:
+        return stored_header(self.root, key)
+
+    def read_verified(self, key: PayloadKey, out: torch.Tensor) -> PayloadHeader:
+        view = host_view(out)
+        try:
+            with open(payload_file(self.root, key), "rb", buffering=0) as fh:
+                header = PayloadHeader.unpack(fh.read(HEADER_BYTES))
+                if header.nbytes != view.nbytes:
+                    raise IntegrityError(f"{key}: the file holds {header.nbytes} bytes, expected {view.nbytes}")
+                got = 0
+                while got < view.nbytes:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise IntegrityError(f"{key}: the file is truncated at {got} bytes")
+                    got += n
+        except FileNotFoundError:
+            raise IntegrityError(f"{key} is no longer in {self.root}") from None
+        except OSError as exc:
+            raise IntegrityError(f"{key}: cannot read it from {self.root}: {exc}") from None
+        verify_payload(key, header, view)
+        return header
+
+
 class HiCacheCore:
     """One SGLang storage backend instance (one TP rank); thread-safe (SGLang calls from I/O threads)."""
 
@@ -103,9 +164,12 @@ class HiCacheCore:
                  index: IndexView, publish: Callable[[KvEventBatch], None], model: Callable[[], CostModel],
                  execution: Callable[[], ExecutionPolicy], profile: str | None = None, secret: bytes = b"",
                  clock: Callable[[], float] = time.time, incarnation: int | None = None,
-                 layout: tuple[torch.dtype, tuple[int, ...]] | None = None) -> None:
+                 layout: tuple[torch.dtype, tuple[int, ...]] | None = None, owner: str | None = None,
+                 owner_source: FolderSource | None = None) -> None:
         self.descriptor = descriptor
         self.worker = worker
+        self.owner = owner if owner is not None else worker
+        self.owner_source = owner_source
         self.catalog = catalog
         self.tier = tier
         self.index = index
@@ -123,10 +187,12 @@ class HiCacheCore:
         self._own: OrderedDict[int, str] = OrderedDict()  # canonical page key -> SGLang key, LRU first
         # (dtype, shape) of a page, for ``get`` without a target: from the host pool, else the first set
         self._layout = layout
+        self._max_prefetch_pages: int | None = None
+        self._runs: dict[int, list[int]] = {}  # thread -> canonical keys of its batched query so far
         self._warned = False
         self._shared = any(b.capabilities.shared for b in catalog.reachable(EntryLocation(worker=worker, tier=tier)))
         self.stats = {"set": 0, "set_failed": 0, "hits": 0, "misses": 0, "stale_or_missing": 0, "evicted": 0,
-                      "gated_by_planner": 0}
+                      "gated_by_planner": 0, "answered_ahead": 0}
         self._emit([AllCleared()])  # a new incarnation starts with no facts (and resyncs the publisher)
 
     # -- naming -------------------------------------------------------------------------------------
@@ -135,6 +201,10 @@ class HiCacheCore:
         """The dtype and shape of a page (SGLang's host pool), for ``get`` without a target."""
         self._layout = (dtype, tuple(shape))
 
+    def use_host_pool(self, max_prefetch_pages: int) -> None:
+        """The most pages one SGLang prefetch can load (half its host pool): the bound a full batch is priced at."""
+        self._max_prefetch_pages = max(1, int(max_prefetch_pages))
+
     def canonical(self, key: str) -> int:
         return self._keyer.keys(page_words(key))[0]
 
@@ -142,6 +212,8 @@ class HiCacheCore:
         return PayloadKey(self.descriptor.descriptor_id, canonical, 0)
 
     def _emit(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
         with self._lock:
             batch = KvEventBatch(publisher=self.worker, incarnation=self._incarnation, seq=self._seq,
                                  ts=self.clock(), identity=self._identity, events=tuple(events))
@@ -149,7 +221,7 @@ class HiCacheCore:
             self.publish(batch)
 
     def _readable(self, location: EntryLocation) -> bool:
-        return location.tier is self.tier and (location.worker == self.worker or self._shared)
+        return location.tier is self.tier and (location.worker in (self.worker, self.owner) or self._shared)
 
     def _holders(self, canonicals: Sequence[int]) -> list[str | None]:
         """Per page: a worker whose certain fact places it in a readable tier (None: not there)."""
@@ -167,60 +239,121 @@ class HiCacheCore:
                         out[i] = m.location.worker
         return out
 
+    def _source(self, holder: str, pk: PayloadKey):
+        """The backend that serves ``pk`` as ``holder`` placed it, or None."""
+        if holder == self.worker or self._shared:
+            return self.catalog.source_for(EntryLocation(worker=holder, tier=self.tier), pk)
+        if holder == self.owner and self.owner_source is not None:
+            return self.owner_source if self.owner_source.header(pk) is not None else None
+        return None
+
     # -- exists -----------------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
         return self._holders([self.canonical(key)])[0] is not None
 
-    def batch_exists(self, keys: Sequence[str]) -> int:
-        """Consecutive pages from the first that the index places here and the planner would load."""
+    def readable_run(self, keys: Sequence[str]) -> tuple[list[int], list[str | None], int]:
+        """Canonical keys, holders, and how many pages from the first the index places here."""
         canonicals = [self.canonical(k) for k in keys]
         holders = self._holders(canonicals)
         count = next((i for i, h in enumerate(holders) if h is None), len(holders))
+        return canonicals, holders, count
+
+    def batch_exists(self, keys: Sequence[str], *, prefix: Sequence[str] | None = None,
+                     batched: bool = False) -> int:
+        """Consecutive pages from the first that the index places here and the planner would load.
+
+        ``prefix``: the page keys before ``keys`` (SGLang's ``prefix_keys``), None when SGLang
+        does not pass them. ``batched``: the caller asks in batches of ``STORAGE_BATCH_SIZE``.
+        """
+        canonicals, holders, count = self.readable_run(keys)
+        thread = threading.get_ident()
+        run = self._runs.pop(thread, None)
+        if prefix is not None:
+            context = [self.canonical(k) for k in prefix]
+        else:
+            context = run if (batched and run is not None) else []
         if count == 0:
             return 0
-        return self._gate(canonicals[:count], holders[:count])
+        more = batched and count == len(keys) == STORAGE_BATCH_SIZE
+        answer = self.gate(canonicals[:count], holders[:count], context=context, more=more)
+        if more and answer:
+            self.stats["answered_ahead"] += 1
+            self._runs[thread] = context + canonicals
+        return answer
 
-    def _gate(self, canonicals: list[int], holders: list[str | None]) -> int:
+    def gate(self, canonicals: list[int], holders: list[str | None], *, context: Sequence[int] = (),
+             more: bool = False) -> int:
+        """How many of ``canonicals`` (readable, in order) loading pays for; 0 when recomputing wins.
+
+        ``context``: the canonical keys of the pages before them (on SGLang's device or host).
+        ``more``: a full batch of a batched query, priced as the largest prefetch SGLang can make.
+        """
         d = self.descriptor
         execution = self.execution()
         profile = self.profile or execution.planner.default_hardware_profile
         model = self.model()
+        n = len(canonicals)
         if model.compute_for(d.model, profile) is None:
             if not self._warned:
                 self._warned = True
                 log.warning("no cost profile for %s on %s: batch_exists is gated by the index alone", d.model, profile)
-            return len(canonicals)
-        n = len(canonicals)
+            return n
+        p = len(context)
+        loaded = n
+        if more and self._max_prefetch_pages is not None:
+            loaded = max(n, self._max_prefetch_pages - p)
+        keys = list(context) + list(canonicals)
+        if loaded > n:  # the pages a longer prefetch would bring: priced, never published or read
+            tail = canonicals[-1]
+            keys += [(tail + 1 + i) & _MASK64 for i in range(loaded - n)]
         where = holders[0] if holders[0] is not None else self.worker
-        match = LocationMatch(EntryLocation(worker=where, tier=self.tier), where, n)
+        groups = [g.kv_group for g in d.layer_groups]
+        matches = [LocationMatch(EntryLocation(worker=where, tier=self.tier, group=g), where, p + loaded)
+                   for g in groups]
+        if p and self.tier is not Tier.GPU:
+            matches += [LocationMatch(EntryLocation(worker=self.worker, tier=Tier.GPU, group=g), self.worker, p)
+                        for g in groups]
+        matches.sort(key=lambda m: (m.location.worker, m.location.tier, m.location.group))
         now = self.clock()
-        query = PlanQuery(request_id=f"hicache-{self._seq}-{now:.6f}", scope=self.scope, descriptor=d,
-                          keys=tuple(canonicals), prompt_tokens=n * d.block_size, arrival_at=now,
+        total = p + loaded
+        query = PlanQuery(request_id=f"hicache-{self.worker}-{now:.6f}", scope=self.scope, descriptor=d,
+                          keys=tuple(keys), prompt_tokens=total * d.block_size, arrival_at=now,
                           candidates=(WorkerLoad(worker=self.worker, profile=profile),))
-        chosen = plan(query, LookupResult(num_blocks=n, matches=(match,)), model, execution, now=now).chosen
-        if chosen.action is Action.RECOMPUTE or not chosen.contiguous:
-            self.stats["gated_by_planner"] += 1
-            return 0
-        if chosen.action in (Action.TRANSFER, Action.PREFETCH):
-            return min(chosen.moved[1], n)  # type: ignore[misc]
-        return min(chosen.reused_blocks, n)  # a device tier: reused in place
+        chosen = plan(query, LookupResult(num_blocks=total, matches=tuple(matches)), model, execution,
+                      now=now).chosen
+        if chosen.action in (Action.TRANSFER, Action.PREFETCH) and chosen.contiguous and chosen.moved:
+            return max(0, min(chosen.moved[1] - p, n))
+        if self.tier is Tier.GPU and chosen.action in (Action.FULL_REUSE, Action.PARTIAL_REUSE):
+            return max(0, min(chosen.reused_blocks - p, n))  # a device tier: reused in place
+        self.stats["gated_by_planner"] += 1
+        return 0
 
     # -- get --------------------------------------------------------------------------------------
 
     def get(self, key: str, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The page (into ``target`` when given), or None: not vouched for by the index, gone, or wrong."""
+        """The page (read into ``target`` when given), or None: not vouched for by the index, gone, or wrong.
+
+        A miss may leave ``target`` partly written (SGLang drops the page on None).
+        """
         canonical = self.canonical(key)
         holder = self._holders([canonical])[0]
         if holder is None:
             self.stats["misses"] += 1
             return None
         pk = self._payload_key(canonical)
-        backend = self.catalog.source_for(EntryLocation(worker=holder, tier=self.tier), pk)
+        backend = self._source(holder, pk)
         header = backend.header(pk) if backend is not None else None
         if backend is None or header is None:
             return self._stale(key, canonical, holder, "the payload is gone")
-        buf = torch.empty(header.nbytes, dtype=torch.uint8)
+        if target is not None:
+            if not target.is_contiguous():
+                raise ValueError("the target page must be one contiguous tensor")
+            buf = target.view(-1).view(torch.uint8)
+            if buf.numel() != header.nbytes:
+                raise ValueError(f"target holds {buf.numel()} bytes, the page {header.nbytes}")
+        else:
+            buf = torch.empty(header.nbytes, dtype=torch.uint8)
         try:
             backend.read_verified(pk, buf)
         except (DataPlaneError, ValueError) as exc:
@@ -230,10 +363,6 @@ class HiCacheCore:
                 self._own.move_to_end(canonical)
         self.stats["hits"] += 1
         if target is not None:
-            flat = target.view(-1).view(torch.uint8) if target.is_contiguous() else None
-            if flat is None or flat.numel() != buf.numel():
-                raise ValueError(f"target holds {target.numel() * target.element_size()} bytes, the page {buf.numel()}")
-            flat.copy_(buf)
             return target
         if self._layout is not None:
             dtype, shape = self._layout
@@ -252,6 +381,22 @@ class HiCacheCore:
 
     def set(self, key: str, value: torch.Tensor) -> bool:
         """Store one page (a tensor of its bytes in host or device memory); False when it cannot."""
+        return self.set_many([(key, value)])[0]
+
+    def set_many(self, pages: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
+        """Store pages; one ``stored`` batch announces those that were stored."""
+        results: list[bool] = []
+        stored: list[KvEvent] = []
+        for key, value in pages:
+            ok = self._store(key, value)
+            results.append(ok)
+            if ok:
+                stored.append(BlockStored(engine_hashes=(page_event_hash(key),), token_ids=tuple(page_words(key)),
+                                          block_size=PAGE_WORDS, tier=self.tier, cache_salt=PAGE_SCOPE_SALT))
+        self._emit(stored)
+        return results
+
+    def _store(self, key: str, value: torch.Tensor) -> bool:
         canonical = self.canonical(key)
         pk = self._payload_key(canonical)
         data = value.detach().contiguous().view(-1).view(torch.uint8).cpu()
@@ -281,8 +426,6 @@ class HiCacheCore:
         with self._lock:
             self._own[canonical] = key
             self._own.move_to_end(canonical)
-        self._emit([BlockStored(engine_hashes=(page_event_hash(key),), token_ids=tuple(page_words(key)),
-                                block_size=PAGE_WORDS, tier=self.tier, cache_salt=PAGE_SCOPE_SALT)])
         self.stats["set"] += 1
         return True
 
@@ -343,3 +486,9 @@ class HiCacheCore:
     def pages(self) -> int:
         with self._lock:
             return len(self._own)
+
+
+def folder_of(data_dir: Path | str, worker: str) -> Path:
+    """The disk tier folder of ``worker`` under ``NEXUSKV_DATA_DIR`` (the same in every process)."""
+    return Path(data_dir) / "tiers" / worker / "disk"
+

@@ -1,5 +1,6 @@
-"""vLLM integration: its block hash, its KV events, its KV connector.
+"""vLLM integration: its block hash, its KV connector (two sides, vLLM's shell), its tiers' publisher.
 
-Nothing here imports vLLM at module import time; vLLM cannot be installed in CI, and the logic
-is tested on its own and driven by NexusKV's reference engine.
+Importing this package, or :mod:`connectors.vllm.connector`, does not import vLLM: only
+:mod:`connectors.vllm.shell` does, when vLLM asks for ``NexusKVConnector``. Real-vLLM tests:
+``tests/engines/vllm/`` (install vLLM with ``bash infra/engines/install_vllm.sh``).
 """

@@ -3,7 +3,10 @@
 Commands:
 
 * ``nexuskv up`` — start the bus (``NEXUSKV_BROKER`` or an embedded broker), create the topics,
-  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started.
+  start the stream workers, run until SIGINT/SIGTERM, then stop everything it started. If a
+  service dies, ``up`` says which (with its log tail), stops the rest and exits with status 1.
+* ``nexuskv publisher-key NAME`` — print the signing key of publisher NAME under
+  ``NEXUSKV_BUS_SECRET``, for an engine host's ``NEXUSKV_PUBLISHER_KEYS``.
 * ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
   Kafka) and print its URL until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
@@ -12,6 +15,9 @@ Commands:
   calibration, planner, executors, decision sink) into DuckDB, then the report.
 * ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots.
 * ``nexuskv config`` — print the settings table (environment variable, default, meaning).
+* ``nexuskv descriptor CONFIG`` — the State Descriptor of a model from its Hugging Face
+  ``config.json`` (what the vLLM connector derives from the same config), for the event bridge's
+  ``--descriptor`` and the router.
 
 Errors print one line, ``nexuskv: error: ...``, and exit non-zero.
 """
@@ -63,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-workers", action="store_true", help="start only the bus and topics")
     up.set_defaults(func=_cmd_up)
 
+    pkey = sub.add_parser("publisher-key", help="print a publisher's kv-events signing key (NEXUSKV_BUS_SECRET)")
+    pkey.add_argument("publisher", help="the publisher name its batches carry (e.g. vllm/10.0.0.5:8000/dp0)")
+    pkey.set_defaults(func=_cmd_publisher_key)
+
     broker = sub.add_parser("broker", help="run an embedded broker and print its URL")
     broker.add_argument("--apache-kafka", action="store_true", help="run Apache Kafka (KRaft) instead of Tansu")
     broker.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
@@ -93,6 +103,22 @@ def _parser() -> argparse.ArgumentParser:
                         help="DuckDB file (default: the decision store's snapshot)")
     report.add_argument("--out", type=Path, default=None, help="folder for the PNG plots (default: beside the db)")
     report.set_defaults(func=_cmd_report)
+
+    desc = sub.add_parser("descriptor", help="a model's State Descriptor from its Hugging Face config.json")
+    desc.add_argument("config", type=Path, help="the model's config.json, or its folder")
+    desc.add_argument("--model", required=True,
+                      help="the model's name in the identity scope (what the engine serves: vLLM's --model)")
+    desc.add_argument("--block-size", type=int, required=True, help="the engine's block (page) size in tokens")
+    desc.add_argument("--revision", default=None, help="model revision (default: main)")
+    desc.add_argument("--tokenizer-revision", default=None, help="tokenizer revision (default: the model's)")
+    desc.add_argument("--tenant", default="default")
+    desc.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    desc.add_argument("--kv-dtype", default=None, help="the engine's KV cache dtype when not the model's")
+    desc.add_argument("--layout", default="paged_nhd",
+                      help="block layout: paged_nhd (vLLM on GPU), paged_hn_kvd (vLLM's CPU build), paged_hnd")
+    desc.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (shards the KV heads)")
+    desc.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout)")
+    desc.set_defaults(func=_cmd_descriptor)
 
     config = sub.add_parser("config", help="print the settings table")
     config.add_argument("--markdown", action="store_true", help="as the README's markdown table")
@@ -161,8 +187,23 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         with start_services(url, settings, enabled=not args.no_workers, env={"NEXUSKV_REMOTE_TIER": remote}) as running:
             names = ", ".join(s.name for s in running) or "none"
             print(f"nexuskv: stream workers: {names}; Ctrl-C to stop", flush=True)
-            stop.wait()
+            while not stop.event.wait(0.5):
+                dead = running.dead()
+                if dead:
+                    for d in dead:
+                        print(f"nexuskv: error: {d.describe()}", file=sys.stderr, flush=True)
+                    print("nexuskv: stopping the other services", file=sys.stderr, flush=True)
+                    return 1
             print("nexuskv: stopping", flush=True)
+    return 0
+
+
+def _cmd_publisher_key(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.contracts.kv_signature import publisher_key
+
+    if not settings.bus_secret:
+        raise ConfigError("NEXUSKV_BUS_SECRET", "is empty: set the deployment's bus secret to derive publisher keys")
+    print(f"{args.publisher}={publisher_key(settings.bus_secret_bytes, args.publisher).hex()}")
     return 0
 
 
@@ -227,6 +268,31 @@ def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_descriptor(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.hf_config import descriptor_from_hf_config
+
+    path = args.config / "config.json" if args.config.is_dir() else args.config
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config", f"{path} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("config", f"{path} is not a config object")
+    d = descriptor_from_hf_config(config, model=args.model, block_size=args.block_size, model_revision=args.revision,
+                                  tokenizer_revision=args.tokenizer_revision, tenant=args.tenant,
+                                  engine_family=args.engine, kv_dtype=args.kv_dtype, layout=args.layout,
+                                  tp_size=args.tp_size)
+    text = d.model_dump_json(indent=2)
+    if args.out is None:
+        print(text)
+    else:
+        args.out.write_text(text + "\n", encoding="utf-8")
+        print(f"{d.descriptor_id} -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     rows = setting_rows()
     if args.markdown:
@@ -235,7 +301,7 @@ def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
             print(f"| `{var}` | {default} | {doc} |")
     else:
         shown = settings.model_dump(mode="json")
-        for secret in ("identity_secret", "index_api_tokens"):
+        for secret in ("identity_secret", "index_api_tokens", "bus_secret", "publisher_keys"):
             if shown.get(secret):
                 shown[secret] = "***"
         print(json.dumps(shown, indent=2))

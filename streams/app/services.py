@@ -2,7 +2,10 @@
 
 A service is a module run with ``python -m``; it reads its settings from the environment
 (``NEXUSKV_BROKER`` is set to the bus ``up`` opened). Every process is bound to ``up``: when
-``up`` stops (or dies), they stop.
+``up`` stops (or dies), they stop. A service that exits on its own (every service exits non-zero
+when one of its supervised tasks fails) is noticed: :meth:`Running.dead` names it, and ``nexuskv
+up`` then stops the others and exits non-zero, so whatever runs ``up`` (systemd, an orchestrator)
+sees the failure and restarts the deployment.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from nexuskv.config import BrokerUrl, Settings
 from nexuskv.errors import BrokerError
 from streams.process import ManagedProcess
 
-__all__ = ["Service", "SERVICES", "start_services"]
+__all__ = ["Service", "SERVICES", "Running", "DeadService", "start_services"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +52,41 @@ SERVICES: tuple[Service, ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class DeadService:
+    service: Service
+    exit_code: int | None
+    log_tail: str
+
+    def describe(self) -> str:
+        code = self.exit_code
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+        return f"service {self.service.name} {how}; log tail:\n{self.log_tail}"
+
+
+class Running:
+    """The services started, in start order (iterable); :meth:`dead` lists those that ended."""
+
+    def __init__(self, procs: list[tuple[Service, ManagedProcess]]) -> None:
+        self._procs = procs
+
+    def __iter__(self) -> Iterator[Service]:
+        return iter([svc for svc, _ in self._procs])
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    def pid(self, name: str) -> int | None:
+        return next((proc.pid for svc, proc in self._procs if svc.name == name), None)
+
+    def dead(self) -> list[DeadService]:
+        return [DeadService(svc, proc.exit_code, proc.log_tail(30)) for svc, proc in self._procs if not proc.alive()]
+
+
 @contextlib.contextmanager
 def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
                    services: tuple[Service, ...] | None = None,
-                   env: Mapping[str, str] | None = None) -> Iterator[list[Service]]:
+                   env: Mapping[str, str] | None = None) -> Iterator[Running]:
     """Start every service; stop all of them (TERM, then KILL) when the block ends.
 
     ``env`` adds variables to the services' environment (``up`` passes the remote tier's address).
@@ -76,7 +110,7 @@ def start_services(url: BrokerUrl, settings: Settings, *, enabled: bool = True,
         for svc, proc in procs:
             if not proc.alive():
                 raise BrokerError(f"service {svc.name} exited at start; log tail:\n{proc.log_tail()}")
-        yield chosen
+        yield Running(procs)
     finally:
         for _svc, proc in reversed(procs):
             proc.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.bridge import BridgeConfig, EventBridge, publisher_name, tier_of, translate
+from connectors.bridge import ENGINE_CLEARS, BridgeConfig, EventBridge, publisher_name, tier_of, translate
 from connectors.kv_wire import EngineBatch, EngineCleared, EngineRemoved, EngineStored
 from connectors.wire_formats import encode_batch
 from connectors.zmq_events import RawBatch, SequenceTracker
@@ -49,9 +49,35 @@ def test_translate_maps_every_event():
                     lora="lora-id:3", extra_keys=(("salt",), None)),
         BlockStored(engine_hashes=(1,), token_ids=(), block_size=4, tier="host"),
         BlockRemoved(engine_hashes=(2,), tier="gpu", group=1),
-        AllCleared(),
+        AllCleared(tier="gpu"),  # vLLM's AllBlocksCleared: its GPU cache, nothing it offloaded
     )
     assert out.block_operations == 4
+
+
+def test_an_engines_clear_concerns_its_own_memory_only():
+    """vLLM's prefix-cache reset leaves every tier but the GPU's (DESIGN invariants); SGLang's clears
+    its publisher, whose facts are its radix caches (its storage pages have their own publisher)."""
+    from nexuskv.index import GlobalIndex
+    from nexuskv.identity import IdentityScope, block_keys
+    from tests.factories import descriptor
+
+    d = descriptor()
+    identity = publisher_identity(d)
+    tokens = tuple(range(8))
+    stored = EngineBatch(ts=0, events=(
+        EngineStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=tokens, block_size=4, medium="GPU"),
+        EngineStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(), block_size=4, medium="STORAGE"),
+        EngineStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(), block_size=4, medium="CPU"),
+    ))
+    for engine, gone in (("vllm", {Tier.GPU}), ("sglang", {Tier.GPU, Tier.HOST, Tier.DISK})):
+        index = GlobalIndex()
+        index.apply(translate(stored, publisher="p", incarnation=1, seq=0, identity=identity, default_block_size=4))
+        cleared = translate(EngineBatch(ts=1, events=(EngineCleared(),)), publisher="p", incarnation=1, seq=1,
+                            identity=identity, default_block_size=4, clears=ENGINE_CLEARS[engine])
+        index.apply(cleared)
+        found = index.lookup(IdentityScope.of(d), block_keys(IdentityScope.of(d), tokens, 4))
+        left = {m.location.tier for m in found.matches if m.prefix_blocks == 2 and m.certain}
+        assert left == {Tier.GPU, Tier.HOST, Tier.DISK} - gone, engine
 
 
 def test_unkeyable_events_are_refused_not_guessed():
@@ -80,7 +106,7 @@ def test_bridge_incarnations_and_clears_on_restart(tmp_path):
     second = bridge.handle(_raw(1))
     assert second.incarnation == 1000 and not isinstance(second.events[0], AllCleared)
     restarted = bridge.handle(_raw(0, restart=True))
-    assert restarted.incarnation > 1000 and isinstance(restarted.events[0], AllCleared)
+    assert restarted.incarnation > 1000 and restarted.events[0] == AllCleared()  # every tier: ends the uncertainty
     assert bridge.stats["restarts"] == 1
     bridge._save_state()
     again = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, state_file=tmp_path / "bridge.json"),

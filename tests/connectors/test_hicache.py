@@ -182,3 +182,73 @@ def test_a_full_tier_evicts_the_backends_least_recently_used_pages():
     assert core.set(KEYS[2], _page(2))
     assert [core.exists(k) for k in KEYS[:3]] == [True, False, True]
     assert core.stats["evicted"] == 1 and core.pages() == 2
+
+
+def test_a_batch_of_pages_is_announced_in_one_batch():
+    feed = _Index()
+    published = []
+    core = _core(feed, "sglang-hicache/batch", [HostMemoryBackend(1 << 22)])
+    core.publish = lambda b: (published.append(b), feed.publish(b))
+    assert core.set_many([(KEYS[i], _page(i)) for i in range(4)]) == [True] * 4
+    assert len(published) == 1 and len(published[0].events) == 4
+    assert core.batch_exists(KEYS) == 4
+
+
+def test_a_reader_rank_reads_the_writers_disk_folder(tmp_path):
+    """An MLA model's replicated pages: the writer rank stores them, another rank reads its folder."""
+    from connectors.sglang.hicache_core import FolderSource
+
+    feed = _Index()
+    writer = _core(feed, "sglang-hicache/h/tp0", [DiskBackend(tmp_path / "tp0", 1 << 22)])
+    reader = HiCacheCore(DESC, worker="sglang-hicache/h/tp1", catalog=BackendCatalog(
+        "sglang-hicache/h/tp1", [DiskBackend(tmp_path / "tp1", 1 << 22)]), tier=Tier.DISK, index=feed.index,
+        publish=feed.publish, model=lambda: cost_model(DESC), execution=lambda: POLICY, profile=PROFILE,
+        owner=writer.worker, owner_source=FolderSource(tmp_path / "tp0"))
+    assert writer.set_many([(KEYS[i], _page(i)) for i in range(3)]) == [True] * 3
+    assert reader.batch_exists(KEYS) == 3
+    target = torch.empty(PAGE_SHAPE, dtype=torch.float16)
+    assert reader.get(KEYS[1], target) is target and torch.equal(target, _page(1))
+    path = writer.catalog.backends[0].path(PayloadKey(DESC.descriptor_id, writer.canonical(KEYS[2]), 0))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert reader.get(KEYS[2], target) is None  # verified on read: a corrupt file is a miss
+    stranger = _core(feed, "sglang-hicache/h/tp2", [DiskBackend(tmp_path / "tp2", 1 << 22)])
+    assert stranger.batch_exists(KEYS) == 0  # a rank that does not read the writer's folder
+
+
+def _fixed_cost_model(latency_s: float):
+    """Loading pays only in bulk: every transfer costs ``latency_s``, a page 10 us; recomputing a page 1 ms."""
+    from nexuskv.cost import ComputeCost, CostModel, HardwareProfile, LinearCost, LinkCost
+
+    hw = HardwareProfile(name=PROFILE, hbm_bytes_per_s=1e11, prefill_chunk_tokens=2048, lookup_s=1e-5, sync_s=1e-5,
+                         label="test")
+    compute = ComputeCost(model=DESC.model, profile=PROFILE, source="test",
+                          params=LinearCost.independent((0.0, 1e-3 / PAGE, 0.0), (1e-6, 1e-7, 0.0)))
+    links = [LinkCost(profile=PROFILE, source=Tier.GPU, destination=Tier.GPU, label="in place",
+                      params=LinearCost.independent((1e-6, 0.0, 0.0), (1e-7, 0.0, 0.0))),
+             LinkCost(profile=PROFILE, source=Tier.HOST, destination=Tier.GPU, label="bulk only",
+                      params=LinearCost.independent((latency_s, 1e-5, 0.0), (latency_s / 100, 1e-7, 0.0)))]
+    return CostModel.build("bulk", [hw], [compute], links)
+
+
+def test_a_full_batch_is_priced_as_the_prefetch_it_starts():
+    """SGLang's batching controller asks 128 pages at a time: a full batch is answered when the largest
+    prefetch SGLang can make from there pays back, not only when 128 pages alone do."""
+    from connectors.sglang import hicache_core
+    from connectors.sglang.hashing import page_hashes_hex as hashes
+
+    feed = _Index()
+    core = _core(feed, "sglang-hicache/bulk", [HostMemoryBackend(1 << 26)], model=_fixed_cost_model(0.3))
+    keys = hashes(list(range(200 * PAGE)), PAGE)
+    tiny = torch.zeros(8, dtype=torch.float16)
+    assert core.set_many([(k, tiny) for k in keys]) == [True] * 200
+    batch = hicache_core.STORAGE_BATCH_SIZE
+    assert core.batch_exists(keys[:batch], batched=True) == 0  # 128 pages alone do not pay back 0.3 s
+    core.use_host_pool(1000)
+    assert core.batch_exists(keys[:batch], batched=True) == batch  # ... but the prefetch they start can
+    assert core.stats["answered_ahead"] == 1
+    assert core.batch_exists(keys[:batch]) == 0  # a whole span of 128 (the hybrid controller) is what it is
+    canonicals, holders, _ = core.readable_run(keys)
+    assert core.gate(canonicals, holders) == 0  # nor do 200 (0.2 s of recompute against 0.3 s)
+    assert core.gate(canonicals[:1], holders[:1], more=True) == 1  # one page heading a 1,000-page prefetch

@@ -1,12 +1,15 @@
-"""The vLLM connector's core, driven by the reference engine playing vLLM's engine.
+"""The vLLM connector's two sides, driven by the reference runtime playing vLLM's engine.
 
-Acceptance: blocks saved through the data plane are loaded into the engine's paged KV on the
-planner's decision, and the prefill with loaded state gives the same logits as recompute (fp32,
-1e-5) — through the worker's disk and across workers through the shared remote tier; a corrupt
-or vanished payload is a load error that recomputes; ``get_num_new_matched_tokens`` answers only
-what the planner decided (0 when moving is slower than recomputing, ``None`` while the index
-lags, ``load_async`` only with a positive count); and the connector's vLLM block hashes equal
-engines.md §2.2.
+Unit level (the real engine runs the same code in ``tests/engines/vllm/``). Acceptance: blocks
+saved through the data plane are announced by the tier's own publisher and loaded into the
+engine's paged KV on the planner's decision, and the prefill with loaded state gives the same
+logits as recompute (fp32, 1e-5) — through the worker's disk and across workers through the shared
+remote tier; the tier's facts survive the engine's GPU reset and a restart (a new worker side
+re-announces them; nothing is written twice); a payload deleted behind the connector's back is not
+offered (the tier is checked) and is saved again; a corrupt one is a load error that recomputes
+and is announced removed; ``get_num_new_matched_tokens`` answers only what the planner decided
+(0 when moving is slower than recomputing, ``None`` while the index lags, ``load_async`` only
+with a positive count).
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ import dataclasses
 import pytest
 import torch
 
-from connectors.vllm.connector_core import ConnectorMeta, Readable, SchedulerSide, WorkerSide, catalog_probe
+from connectors.vllm.meta import ConnectorMeta
 from connectors.vllm.standin import VllmStandIn
+from connectors.vllm.scheduler_side import Readable, Scheduled, SchedulerSide
+from connectors.vllm.tier_publisher import TierPublisher, tier_publisher_name
+from connectors.vllm.worker_side import WorkerSide, layout_of, tier_held
+from nexuskv.contracts.decisions import Action
 from nexuskv.dataplane import BackendCatalog, DiskBackend, RemoteBackend
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
+from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import LookupResult
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel, engine_hashes
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
 from tests.connectors.reference import POLICY, PROFILE, IndexFeed, cost_model, slow_links
 
 TOL = 1e-5
@@ -46,24 +54,33 @@ class _World:
         self.model = model
         self.load_async, self.save_tier, self.clock = load_async, save_tier, clock
         self.engines: list[VllmStandIn] = []
+        self.decisions: list = []
 
-    def engine(self, worker: str, index=None) -> VllmStandIn:
-        rt = ReferenceEngine(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed)
-        backends = [DiskBackend(self.tmp / worker, 1 << 24)]
+    def engine(self, worker: str, index=None, incarnation: int = 0) -> VllmStandIn:
+        rt = ReferenceEngine(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed,
+                              incarnation=incarnation)
+        root = self.tmp / worker / "disk"
+        backends = [DiskBackend(root, 1 << 24)]
         shared: frozenset[Tier] = frozenset()
         if self.remote is not None:
             backends.append(RemoteBackend(self.remote))
             shared = frozenset({Tier.REMOTE})
         catalog = BackendCatalog(rt.publisher_id, backends)
+        held = tier_held(catalog, root)
         model = self.model or cost_model(rt.descriptor)
         kw = {} if self.clock is None else {"clock": self.clock}
         sched = SchedulerSide(rt.descriptor, worker=rt.publisher_id, index=index or self.feed.index,
                               model=lambda: model, execution=lambda: POLICY, profile=PROFILE,
-                              readable=Readable(rt.publisher_id, own=frozenset({Tier.DISK}), shared=shared),
-                              engine_hashes=lambda toks: engine_hashes(toks, rt.block_size),
-                              probe=catalog_probe(catalog), save_tier=self.save_tier, load_async=self.load_async,
-                              **kw)
-        engine = VllmStandIn(rt, sched, WorkerSide(rt.descriptor, catalog))
+                              readable=Readable(rt.publisher_id, own=frozenset({Tier.DISK, Tier.REMOTE}), shared=shared),
+                              probe=held, save_tier=self.save_tier, load_async=self.load_async,
+                              on_decision=self.decisions.append, **kw)
+        keyer = BlockKeyer(IdentityScope.of(rt.descriptor), rt.block_size)
+        tier = self.save_tier
+        publisher = TierPublisher(rt.descriptor, worker=rt.publisher_id, tier=tier, keyer=keyer, publish=self.feed,
+                                  held=lambda keys: held(tier, keys), state_dir=self.tmp / worker)
+        publisher.start()
+        engine = VllmStandIn(rt, sched, WorkerSide(rt.descriptor, catalog, held=held, publisher=publisher,
+                                                       measure=False))
         self.engines.append(engine)
         return engine
 
@@ -103,18 +120,46 @@ def test_saved_blocks_load_from_disk_and_prefill_equals_recompute(world, name):
     w = world(name)
     engine = w.engine("w-a")
     first = engine.serve("r1", PROMPT)
-    assert first.matched_tokens == 0 and first.saved_requests == 1
-    assert engine.scheduler.stats["saves_announced"] == 6  # every full block is on disk, and the index knows
-    engine.runtime.reset()  # the GPU cache is gone; the disk copies stay
+    assert first.matched_tokens == 0 and first.saved_blocks == 6  # every full block is on disk
+    assert engine.worker.publisher.stats["announced"] == 6  # ... and the index knows, from the tier's publisher
+    engine.runtime.reset()  # the GPU cache is gone (a cleared GPU tier); the disk copies stay
     again = engine.serve("r2", PROMPT)
     assert again.computed_tokens == 0
     assert again.matched_tokens == 24 and again.loaded_tokens == 24 and again.failed_blocks == 0
     assert again.result.reused_tokens == 24 and again.result.computed_tokens == 2
     assert (again.result.logits - _reference_logits(name)).abs().max().item() <= TOL
     assert engine.worker.stats["blocks_loaded"] == 6
-    reason = engine.scheduler.decision_reason("r2")
-    assert reason is None  # the request finished and was forgotten
-    assert again.saved_requests == 0  # the disk already held every block: nothing written twice
+    assert again.saved_blocks == 0 and engine.worker.stats["blocks_already_held"] == 0  # not even handed over
+    assert engine.scheduler.decision_reason("r2") is None  # the request finished and was forgotten
+
+
+def test_every_decision_acted_upon_is_published_with_its_numbers(world):
+    w = world("gqa")
+    engine = w.engine("w-a")
+    engine.serve("r1", PROMPT)
+    engine.runtime.reset()
+    engine.serve("r2", PROMPT)
+    by_request = {d.request_id: d for d in w.decisions}
+    assert by_request["r1"].action is Action.RECOMPUTE
+    loaded = by_request["r2"]
+    assert loaded.action is Action.TRANSFER and loaded.reused_tokens == 24
+    assert loaded.source.worker == engine.runtime.publisher_id and loaded.source.tier is Tier.DISK
+    assert loaded.cost_model_version == "connector-test"
+
+
+def test_the_tiers_facts_survive_a_restart_and_nothing_is_written_twice(world):
+    w = world("gqa")
+    first = w.engine("w-a")
+    first.serve("r1", PROMPT)
+    first.worker.close()
+    restarted = w.engine("w-a", incarnation=1)  # a new process: fresh GPU pages, new incarnations
+    assert restarted.worker.publisher.stats["reannounced"] == 6
+    pub = w.feed.index.publisher_status(tier_publisher_name(restarted.runtime.publisher_id, Tier.DISK))
+    assert pub.certain  # its snapshot ended the new incarnation's uncertainty
+    served = restarted.serve("r2", PROMPT)
+    assert served.matched_tokens == 24 and served.loaded_tokens == 24
+    assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
+    assert served.saved_blocks == 0
 
 
 def test_loads_start_after_the_engines_own_prefix(world):
@@ -133,14 +178,30 @@ def test_another_worker_loads_through_the_shared_remote_tier(world, remote_tier_
     w = world("gqa", remote=remote_tier_address, save_tier=Tier.REMOTE)
     writer, reader = w.engine("w-a"), w.engine("w-b")
     prompt = [(t + 7) % 256 for t in PROMPT]  # not shared with other tests on the session's remote tier
-    writer.serve("r1", prompt)
+    assert writer.serve("r1", prompt).saved_blocks == 6
     served = reader.serve("r2", prompt)
     assert served.matched_tokens == 24 and served.loaded_tokens == 24
     assert (served.result.logits - _reference_logits("gqa", prompt)).abs().max().item() <= TOL
+    assert served.saved_blocks == 0 and reader.worker.stats["blocks_already_held"] == 0
 
 
-def test_a_corrupt_payload_is_a_load_error_and_recomputes_from_there(world):
+def test_a_payload_deleted_behind_its_back_is_not_offered_and_is_saved_again(world):
     engine = _saved_then_cleared(world)
+    _disk, victim = _disk_payload(engine, 3)
+    _disk.path(victim).unlink()  # not through the backend: its in-memory index still lists it
+    served = engine.serve("r2", PROMPT)
+    assert served.matched_tokens == 12 and served.loaded_tokens == 12 and served.failed_blocks == 0
+    assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
+    assert engine.scheduler.stats["source_missing_blocks"] == 3  # blocks 3-5: the prefix ends at the hole
+    assert served.saved_blocks == 1 and _disk.path(victim).is_file()  # block 3 is written again
+    assert engine.worker.stats["blocks_already_held"] == 2  # blocks 4 and 5 are still there, and announced
+
+
+def test_a_corrupt_payload_is_a_load_error_recomputes_and_is_announced_removed(world):
+    w = world("gqa")
+    engine = w.engine("w-a")
+    engine.serve("r1", PROMPT)
+    engine.runtime.reset()
     disk, victim = _disk_payload(engine, 3)
     path = disk.path(victim)
     raw = bytearray(path.read_bytes())
@@ -152,15 +213,9 @@ def test_a_corrupt_payload_is_a_load_error_and_recomputes_from_there(world):
     assert served.result.reused_tokens == 12
     assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
     assert engine.worker.stats["blocks_failed"] == 3
-
-
-def test_a_vanished_payload_is_a_load_error(world):
-    engine = _saved_then_cleared(world)
-    disk, victim = _disk_payload(engine, 0)
-    assert disk.delete(victim)
-    served = engine.serve("r2", PROMPT)  # the index still says the disk holds it
-    assert served.matched_tokens == 24 and served.loaded_tokens == 0 and served.failed_blocks == 6
-    assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
+    assert engine.worker.publisher.stats["removed"] == 1
+    revisions = [(d.revision, d.action) for d in w.decisions if d.request_id == "r2"]
+    assert revisions == [(0, Action.TRANSFER), (1, Action.RECOMPUTE)]  # the fallback supersedes the plan
 
 
 def test_no_tokens_when_moving_is_slower_than_recomputing(world):
@@ -218,9 +273,30 @@ def test_an_allocation_that_does_not_match_the_decision_fails_its_blocks(world):
     meta = sched.build_meta()
     assert meta.loads[0].source is None
     worker.start_load(meta)
-    worker.wait_for_layer_load("layers.0.attn")
     assert worker.block_ids_with_load_errors() == {10, 11, 12, 13, 14}
     assert worker.block_ids_with_load_errors() == set()  # reported once
+
+
+def test_each_filled_block_is_saved_in_the_step_that_fills_it(world):
+    """vLLM's steps: a prefill chunk, then decode steps; each hands over only the blocks it completed."""
+    engine = world("gqa").engine("w-a")
+    sched = engine.scheduler
+    tokens = list(PROMPT[:14])  # 3 full blocks of 4, and 2 tokens
+    sched.track("r1", tokens, 14)
+    assert sched.num_new_matched_tokens("r1", tokens, 0) == (0, False)
+    ids = list(range(20, 28))
+    first = sched.build_meta([Scheduled("r1", 0, 10, ids)])  # a first chunk of 10 tokens: blocks 0 and 1
+    assert [s.first_block for s in first.saves] == [0] and len(first.saves[0].keys) == 2
+    assert first.saves[0].block_ids == (20, 21) and first.saves[0].parent is None
+    assert first.prefills[0].uncached == 10 and first.prefills[0].context == 10 and first.decodes == 0
+    second = sched.build_meta([Scheduled("r1", 10, 4, ids)])  # the rest of the prompt: block 2
+    assert second.saves[0].first_block == 2 and second.saves[0].parent == first.saves[0].keys[-1]
+    tokens.extend([1, 2])  # two tokens decoded: block 3 fills in the step that computes its last token
+    third = sched.build_meta([Scheduled("r1", 14, 1, ids)])
+    assert third.saves == () and third.prefills == () and third.decodes == 1
+    fourth = sched.build_meta([Scheduled("r1", 15, 1, ids)])
+    assert fourth.saves[0].first_block == 3 and fourth.saves[0].token_ids == tuple(tokens[12:16])
+    assert sched.request_finished("r1") == (False, None)  # nothing waits: the blocks are free at once
 
 
 def test_hybrid_state_is_refused_with_the_reason(tmp_path):
@@ -231,12 +307,29 @@ def test_hybrid_state_is_refused_with_the_reason(tmp_path):
 
 def test_registered_kv_caches_must_match_the_descriptor(tmp_path):
     rt = ReferenceEngine(SPECS["gqa"], model=MODELS["gqa"])
-    worker = WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]))
+    worker = WorkerSide(rt.descriptor, BackendCatalog(rt.publisher_id, [DiskBackend(tmp_path, 1 << 20)]),
+                        measure=False)
     caches = rt.kv_caches()
     caches.pop(next(iter(caches)))
     with pytest.raises(ConfigError, match="bytes per block"):
         worker.register_kv_caches(caches)
     worker.close()
+
+
+def test_a_cache_in_another_layout_is_refused(tmp_path):
+    from nexuskv.hf_config import descriptor_from_hf_config
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+           "dtype": "bfloat16"}
+    d = descriptor_from_hf_config(cfg, model="tiny", block_size=32, layout="paged_nhd")
+    worker = WorkerSide(d, BackendCatalog("w", [DiskBackend(tmp_path, 1 << 20)]), measure=False)
+    cpu_cache = {f"model.layers.{i}.attn": torch.zeros(8, 2, 32, 64, dtype=torch.bfloat16) for i in range(2)}
+    with pytest.raises(ConfigError, match="laid out paged_hn_kvd"):
+        worker.register_kv_caches(cpu_cache)
+    worker.close()
+    assert layout_of((2, 8, 32, 2, 32), 1, kv_heads=2, block_size=32, head_size=32) == "paged_nhd"
+    assert layout_of((2, 8, 2, 32, 32), 1, kv_heads=2, block_size=32, head_size=32) == "paged_hnd"
+    assert layout_of((8, 2, 32, 64), 0, kv_heads=2, block_size=32, head_size=32) == "paged_hn_kvd"
 
 
 def test_a_resumed_request_asks_with_its_output_tokens(world):

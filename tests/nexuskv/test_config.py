@@ -59,10 +59,40 @@ def test_every_setting_has_an_env_name_and_a_doc_and_the_readme_lists_it():
 def test_index_api_tokens_parse_and_bad_ones_name_the_variable_without_echoing_them():
     from nexuskv.config import parse_api_tokens
 
-    s = Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": "a" * 16 + "=acme, " + "b" * 20 + "=globex"})
+    s = Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": "a" * 16 + "=acme, " + "b" * 20 + "=globex",
+                           "NEXUSKV_IDENTITY_SECRET": "s" * 16})
     assert s.api_tokens == {"a" * 16: "acme", "b" * 20: "globex"}
     assert Settings.from_env({}).api_tokens == {} and parse_api_tokens("") == {}
     for bad in ("short=acme", "x" * 16, "y" * 16 + "="):
         with pytest.raises(ConfigError) as info:
             Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": bad})
         assert info.value.field == "NEXUSKV_INDEX_API_TOKENS" and bad.split("=")[0] not in str(info.value)
+
+
+def test_a_deployment_with_more_than_one_tenant_refuses_to_start_without_an_identity_secret():
+    two = "a" * 16 + "=acme," + "b" * 16 + "=globex"
+    for secret in (None, "", "short-secret"):
+        env = {"NEXUSKV_INDEX_API_TOKENS": two}
+        if secret is not None:
+            env["NEXUSKV_IDENTITY_SECRET"] = secret
+        with pytest.raises(ConfigError) as info:
+            Settings.from_env(env)
+        assert info.value.field == "NEXUSKV_IDENTITY_SECRET" and "2 tenants" in str(info.value)
+        assert "a" * 16 not in str(info.value) and (not secret or secret not in str(info.value))
+    assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": two, "NEXUSKV_IDENTITY_SECRET": "x" * 16}).api_tokens
+    one = "a" * 16 + "=acme," + "b" * 16 + "=acme"  # one tenant, two tokens: nobody to probe
+    assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": one}).identity_secret == ""
+
+
+def test_bus_secret_and_publisher_keys_are_checked_and_never_echoed():
+    from nexuskv.config import parse_publisher_keys
+
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"NEXUSKV_BUS_SECRET": "tooshort"})
+    assert info.value.field == "NEXUSKV_BUS_SECRET" and "tooshort" not in str(info.value)
+    key = "ab" * 32
+    assert parse_publisher_keys(f"vllm/10.0.0.5:8000/dp0={key}") == {"vllm/10.0.0.5:8000/dp0": bytes.fromhex(key)}
+    for bad in (f"={key}", "p=zz", "p=abcd", "p"):
+        with pytest.raises(ConfigError) as info:
+            Settings.from_env({"NEXUSKV_PUBLISHER_KEYS": bad})
+        assert info.value.field == "NEXUSKV_PUBLISHER_KEYS" and key not in str(info.value)

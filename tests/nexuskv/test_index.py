@@ -1,4 +1,7 @@
-"""GlobalIndex: exact answers, scoped removals, tenant isolation, sequence and incarnation rules."""
+"""GlobalIndex: exact answers, scoped removals, tenant isolation, sequence and incarnation rules.
+
+Every test runs on both storage cores (``nexuskv.index_core``): the native one and the Python one.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, K
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, digest_array
 from nexuskv.index import GlobalIndex
-from nexuskv.keytable import KeyTable
+from nexuskv.index_core import BACKENDS, make_core
 from nexuskv.lookup import Extent
 from tests.factories import publisher_identity, scope
 
@@ -17,6 +20,8 @@ BS = 4
 TOKENS = tuple(range(1, 25))  # six blocks
 SECRET = b"unit"
 IDENT = publisher_identity()
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def batch(seq, *events, publisher="w1", incarnation=1):
@@ -37,8 +42,8 @@ def one(index, publisher="w1", tenant="default", tier=Tier.GPU):
     return got[0] if got else None
 
 
-def test_prefix_extents_and_lookup_by_tokens():
-    index = GlobalIndex(secret=SECRET)
+def test_prefix_extents_and_lookup_by_tokens(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), stored([5, 6], TOKENS[16:24], parent=4)))
     m = one(index)
     assert (m.prefix_blocks, m.extents, m.certain) == (3, (), True)  # parent 4 unknown: 5, 6 unresolved
@@ -53,8 +58,8 @@ def test_prefix_extents_and_lookup_by_tokens():
     assert index.lookup(scope(), arr) == index.lookup(scope(), keys())
 
 
-def test_removals_and_clears_touch_only_their_publisher_and_tier():
-    index = GlobalIndex(secret=SECRET)
+def test_removals_and_clears_touch_only_their_publisher_and_tier(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     for pub in ("w1", "w2"):
         index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockStored(engine_hashes=(1, 2), block_size=BS, tier=Tier.HOST),
                           publisher=pub))
@@ -69,8 +74,8 @@ def test_removals_and_clears_touch_only_their_publisher_and_tier():
     assert index.memberships == 3
 
 
-def test_tenants_never_see_each_others_blocks():
-    index = GlobalIndex(secret=SECRET)
+def test_tenants_never_see_each_others_blocks(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(0, stored([1, 2], TOKENS[:8], tenant_namespace="acme")))
     assert one(index, tenant="acme").prefix_blocks == 2
     assert index.lookup(scope(tenant="globex"), keys("globex")).matches == ()
@@ -78,8 +83,8 @@ def test_tenants_never_see_each_others_blocks():
     assert index.lookup(scope(tenant="globex"), keys("acme")).matches == ()
 
 
-def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_until_resync():
-    index = GlobalIndex(secret=SECRET)
+def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_until_resync(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     b0 = batch(0, stored([1, 2], TOKENS[:8]))
     assert index.apply(b0).status == "applied"
     assert index.apply(b0).status == "duplicate"
@@ -94,8 +99,8 @@ def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_
     assert index.stats().gaps == 1 and index.stats().resyncs == 1
 
 
-def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain():
-    index = GlobalIndex(secret=SECRET)
+def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12])))
     index.apply(batch(1, Snapshot(phase="begin"), stored([1], TOKENS[:4])))
     assert one(index).certain is False and one(index).prefix_blocks == 1
@@ -106,8 +111,8 @@ def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain():
     assert one(index).certain is False
 
 
-def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale():
-    index = GlobalIndex(secret=SECRET)
+def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(0, stored([1, 2], TOKENS[:8])))
     assert index.apply(batch(0, stored([9], TOKENS[:4]), incarnation=2)).uncertain
     assert one(index).certain is False
@@ -116,14 +121,14 @@ def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale():
     assert one(index).certain and one(index).prefix_blocks == 1
 
 
-def test_a_publisher_first_seen_mid_stream_is_uncertain():
-    index = GlobalIndex(secret=SECRET)
+def test_a_publisher_first_seen_mid_stream_is_uncertain(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(40, stored([1], TOKENS[:4])))
     assert one(index).certain is False
 
 
-def test_memory_bound_forgets_with_the_sweep_policy_and_counts():
-    index = GlobalIndex(secret=SECRET, max_memberships=64)
+def test_memory_bound_forgets_with_the_sweep_policy_and_counts(backend):
+    index = GlobalIndex(secret=SECRET, max_memberships=64, backend=backend)
     rng = np.random.default_rng(0)
     for seq in range(20):
         toks = rng.integers(0, 1000, 40).tolist()
@@ -134,47 +139,80 @@ def test_memory_bound_forgets_with_the_sweep_policy_and_counts():
     assert sum(len(v) for v in index.facts().values()) == index.memberships
 
 
-def test_keytable_matches_a_dict_through_inserts_deletes_and_rehashes():
+def test_core_matches_a_model_through_growth_removals_clears_and_shrinking(backend):
+    """Thousands of blocks through one core (tables grow, member lists compact, tables shrink),
+    checked against a dict model after every round; several hashes name the same block."""
     rng = np.random.default_rng(1)
-    moves = []
-    t = KeyTable(wide=True, values=("v",), on_move=moves.append)
-    model: dict[tuple[int, int, int], int] = {}
-    for round_ in range(30):
-        k1 = rng.integers(0, 2**64 - 1, 300, dtype=np.uint64)
-        k2 = rng.integers(0, 2**64 - 1, 300, dtype=np.uint64)
-        k1[:5] = k1[0]  # same first word, different second word: must stay distinct keys
-        tag = round_ % 3 + 1
-        slots = t.insert(k1, k2, tag)
-        t.values["v"][slots] = np.arange(300) + round_ * 1000
-        for mv in moves:
-            model = {k: int(mv[s]) for k, s in model.items()}
-        moves.clear()
-        model.update({(int(a), int(b), tag): int(s) for a, b, s in zip(k1, k2, slots)})
-        drop = list(model)[:: 3]
-        t.delete(np.array([model.pop(k) for k in drop], np.intp))
-        ks = list(model)
-        found = t.find(np.array([k[0] for k in ks], np.uint64), np.array([k[1] for k in ks], np.uint64),
-                       np.array([k[2] for k in ks], np.uint32))
-        assert found.tolist() == [model[k] for k in ks]
-        gone = t.find(np.array([k[0] for k in drop], np.uint64), np.array([k[1] for k in drop], np.uint64),
-                      np.array([k[2] for k in drop], np.uint32))
-        assert (gone == -1).all()
-    assert t.rehashes > 0 and t.live == len(model)
+    core = make_core(backend, bytes(32))
+    pub = core.add_publisher()
+    gpu, host = core.add_location(pub), core.add_location(pub)
+    scopes = [core.add_scope(bytes([i]) * 16) for i in range(3)]
+    blocks: dict[tuple[int, bytes], set[int]] = {}  # (scope, key) -> locations
+    entry: dict[int, tuple[int, bytes]] = {}  # engine hash -> block, valid while the block is held
+
+    def valid(h):
+        b = entry.get(h)
+        return b if b is not None and blocks.get(b) else None
+
+    next_hash = 0
+    for round_ in range(12):
+        n = 3000
+        keys = rng.bytes(16 * n)
+        keys = keys[:16] * 5 + keys[80:]  # the same key five times: one block, five hashes
+        sid = scopes[round_ % 3]
+        hashes = list(range(next_hash, next_hash + n))
+        next_hash += n
+        core.store(pub, gpu, sid, keys, hashes)
+        for i, h in enumerate(hashes):
+            b = (sid, keys[16 * i:16 * i + 16])
+            entry[h] = b
+            blocks.setdefault(b, set()).add(gpu)
+        moved = hashes[::4]
+        assert core.store_tier(pub, host, moved) == len(moved)
+        for h in moved:
+            blocks[valid(h)].add(host)
+        gone = [h for h in list(entry) if h % 3 == round_ % 3][: n // 2]
+        want_known = 0
+        for h in gone:
+            b = valid(h)
+            if b is not None:
+                want_known += 1
+                blocks[b].discard(gpu)
+        assert core.remove(pub, gpu, gone) == want_known
+        if round_ % 5 == 4:
+            core.clear(pub, [host], False)
+            for locs in blocks.values():
+                locs.discard(host)
+        want: dict[int, set[tuple[int, bytes]]] = {}
+        for b, locs in blocks.items():
+            for loc in locs:
+                want.setdefault(loc, set()).add(b)
+        got = {loc: set(zip(np.frombuffer(sids, "<u4").tolist(), [ks[i:i + 16] for i in range(0, len(ks), 16)]))
+               for loc, sids, ks in core.facts()}
+        assert got == want
+        assert core.memberships == sum(len(v) for v in want.values())
+        assert core.blocks == sum(1 for locs in blocks.values() if locs)
+        for b in list(blocks)[:: 97]:
+            found = core.lookup(b[0], b[1])
+            assert [(loc, prefix) for loc, prefix, _ in found] == [(loc, 1) for loc in sorted(blocks[b])]
+    core.clear(pub, [gpu, host], True)
+    assert core.memberships == 0 and core.blocks == 0
+    assert core.take_empty_scopes() == sorted(scopes)
 
 
-def test_lookup_rejects_malformed_keys():
+def test_lookup_rejects_malformed_keys(backend):
     from nexuskv.errors import IdentityError
 
     with pytest.raises(IdentityError):
-        GlobalIndex().lookup(scope(), [-1])
+        GlobalIndex(backend=backend).lookup(scope(), [-1])
 
 
-def test_checkpoint_restore_reproduces_publishers_exactly():
-    index = GlobalIndex(secret=SECRET)
+def test_checkpoint_restore_reproduces_publishers_exactly(backend):
+    index = GlobalIndex(secret=SECRET, backend=backend)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockStored(engine_hashes=(2, 3), block_size=BS, tier=Tier.DISK)))
     index.apply(batch(0, stored([1, 2], TOKENS[:8], tenant_namespace="acme"), publisher="w2"))
     index.apply(batch(2, stored([3], TOKENS[8:12], parent=2, tenant_namespace="acme"), publisher="w2"))  # gap
-    copy = GlobalIndex(secret=SECRET)
+    copy = GlobalIndex(secret=SECRET, backend=backend)
     copy.apply(batch(0, stored([7], TOKENS[:4]), publisher="w2"))  # replaced by the restore
     assert set(copy.restore(index.checkpoint(["w1", "w2"]))) == {"w1", "w2"}
     assert copy.facts() == index.facts()
@@ -185,6 +223,42 @@ def test_checkpoint_restore_reproduces_publishers_exactly():
     for ix in (index, copy):
         ix.apply(batch(1, BlockRemoved(engine_hashes=(3,), tier=Tier.DISK)))
     assert copy.facts() == index.facts()
-    only_w1 = GlobalIndex(secret=SECRET)
+    only_w1 = GlobalIndex(secret=SECRET, backend=backend)
     only_w1.restore(index.checkpoint(["w1"]))
     assert set(only_w1.facts()) == {k for k in index.facts() if k[0] == "w1"}
+
+
+def test_checkpoints_of_a_large_state_restore_exactly(backend):
+    """Thousands of blocks per publisher, restored publisher group by group into a fresh index
+    (its tables grow and rebuild while the rows come in)."""
+    rng = np.random.default_rng(5)
+    index = GlobalIndex(secret=SECRET, backend=backend)
+    for p in range(5):
+        for seq in range(6):
+            toks = rng.integers(0, 1000, 1000 * BS).tolist()
+            base = (p * 10 + seq) * 1000
+            events = [stored(range(base, base + 1000), toks, tenant_namespace=f"t{p % 2}"),
+                      BlockStored(engine_hashes=tuple(range(base, base + 300)), block_size=BS, tier=Tier.HOST)]
+            if seq:
+                events.append(BlockRemoved(engine_hashes=tuple(range(base - 1000, base - 700))))
+            index.apply(batch(seq, *events, publisher=f"w{p}"))
+    copy = GlobalIndex(secret=SECRET, backend=backend)
+    names = index.publishers()
+    for part in (names[0::2], names[1::2]):
+        copy.restore(index.checkpoint(list(part)))
+    assert copy.facts() == index.facts() and copy.memberships == index.memberships
+    for p in range(5):  # engine maps came along: a removal by hash acts the same on both
+        for ix in (index, copy):
+            ix.apply(batch(6, BlockRemoved(engine_hashes=tuple(range(p * 10000, p * 10000 + 5000, 7))),
+                           publisher=f"w{p}"))
+    assert copy.facts() == index.facts()
+
+
+def test_a_presized_index_answers_the_same(backend):
+    small, big = GlobalIndex(secret=SECRET, backend=backend), GlobalIndex(secret=SECRET, backend=backend,
+                                                                            expected_blocks=100_000)
+    for ix in (small, big):
+        ix.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockRemoved(engine_hashes=(2,))))
+    assert big.facts() == small.facts() and big.lookup(scope(), keys()) == small.lookup(scope(), keys())
+    if backend == "native":  # the Python core's dicts size themselves
+        assert big.stats().core_nbytes > small.stats().core_nbytes

@@ -147,7 +147,7 @@ def test_file_hot_reload_keeps_last_known_good_when_the_new_file_is_bad(tmp_path
     first = watched.current
     assert watched.poll() is None  # unchanged
 
-    _touch(path, BAD)
+    _touch(path, BAD + "\n# end of policy\n")
     outcome = watched.poll()
     assert outcome is not None and outcome.error is not None and not outcome.changed
     assert [p for p, _ in outcome.error.errors][0] == "backends.0.links.1"
@@ -166,6 +166,6 @@ def test_file_hot_reload_keeps_last_known_good_when_the_new_file_is_bad(tmp_path
 
 def test_an_invalid_file_at_start_is_fatal(tmp_path):
     path = tmp_path / "policy.toml"
-    path.write_text(BAD)
+    path.write_text(BAD + "\n# end of policy\n")
     with pytest.raises(PolicyError):
         PolicyFile(path)

@@ -34,8 +34,10 @@ def test_unreachable_broker_fails_with_one_line():
 
 
 def test_config_table_masks_the_secret():
-    done = _run(["config"], NEXUSKV_IDENTITY_SECRET="hunter2")
+    done = _run(["config"], NEXUSKV_IDENTITY_SECRET="hunter2", NEXUSKV_BUS_SECRET="bus-hunter2-bus-hunter2",
+                NEXUSKV_PUBLISHER_KEYS="p=" + "ab" * 32)
     assert done.returncode == 0 and "hunter2" not in done.stdout and "***" in done.stdout
+    assert "abab" not in done.stdout
     md = _run(["config", "--markdown"])
     assert "| `NEXUSKV_BROKER` |" in md.stdout
 
@@ -88,3 +90,56 @@ def test_up_starts_and_stops_cleanly(sig, tmp_path):
     while time.monotonic() < deadline and not all(_gone(c) for c in children):
         time.sleep(0.1)
     assert all(_gone(c) for c in children), "a process outlived nexuskv up"
+
+
+@pytest.mark.broker
+def test_up_notices_a_dead_service_stops_the_rest_and_exits_non_zero(kafka_url, tmp_path):
+    from streams.process import free_port
+
+    env = {**os.environ, "NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path),
+           "NEXUSKV_INDEX_API_PORT": str(free_port())}
+    proc = subprocess.Popen(NEXUSKV + ["up"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C to stop" in line or not line:
+                break
+        assert any("Ctrl-C to stop" in line for line in lines), lines
+        children = _children(proc.pid)
+        victim = next(c for c in children if "streams.calibration_agent" in open(f"/proc/{c}/cmdline").read())
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "service calibration was killed by signal 9" in out, out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(c) for c in children):
+        time.sleep(0.1)
+    assert all(_gone(c) for c in children), "a service outlived nexuskv up"
+
+
+def test_descriptor_from_a_models_config_json(tmp_path):
+    import json
+
+    from nexuskv.descriptor import StateDescriptor
+    from nexuskv.models import known_model
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}))
+    done = _run(["descriptor", str(tmp_path), "--model", "meta-llama/Llama-3.1-8B", "--block-size", "16"])
+    assert done.returncode == 0, done.stderr
+    d = StateDescriptor.model_validate_json(done.stdout)
+    assert d.descriptor_id == known_model("meta-llama/Llama-3.1-8B").descriptor_id
+    out = tmp_path / "d.json"
+    done = _run(["descriptor", str(tmp_path / "config.json"), "--model", "m", "--block-size", "32", "--tenant", "acme",
+                 "--layout", "paged_hn_kvd", "--out", str(out)])
+    assert done.returncode == 0 and StateDescriptor.model_validate_json(out.read_text()).tenant_namespace == "acme"
+    bad = _run(["descriptor", str(tmp_path), "--model", "m", "--block-size", "16", "--layout", "nope"])
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "nexuskv: error: layout: 'nope' is not one of paged_nhd, paged_hnd, paged_hn_kvd, paged_latent"]

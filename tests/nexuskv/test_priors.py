@@ -1,0 +1,113 @@
+"""The cold-start prior: it fills only what a cost model lacks, learns from a few timings, and says so.
+
+Acceptance: with the prior alone the planner does not move state for an unknown model (an
+order-of-magnitude guess is not confidence); after a few observed prefills and copies it does,
+and the decision's ``cost_model_version`` names the prior; a shipped or calibrated entry is never
+overridden; the fit recovers a true (c0, R) from noisy timings with non-negative c0.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from nexuskv.contracts.decisions import Action
+from nexuskv.contracts.plans import WorkerLoad
+from nexuskv.cost import ComputeCost, LinearCost
+from nexuskv.descriptor import Tier
+from nexuskv.entries import EntryLocation
+from nexuskv.identity import IdentityScope, block_keys
+from nexuskv.lookup import LocationMatch, LookupResult
+from nexuskv.planner import PlanQuery, plan
+from nexuskv.policy import ExecutionPolicy, PlannerSettings
+from nexuskv.priors import ColdStart, FlopFit, PagedLinkFit
+from nexuskv.profiles import ModelSpec, shipped_cost_model
+from tests.factories import descriptor
+
+SPEC = ModelSpec("acme/tiny", active_params=3e5, layers=2, hidden=128, label="test")
+PROFILE = "vllm-cpu"
+
+
+def _true_seconds(e: int, s: int, *, c0: float = 2e-3, rate: float = 50e9) -> float:
+    return c0 + (2 * SPEC.active_params * e + 2 * SPEC.layers * SPEC.hidden * e * s) / rate
+
+
+def test_the_fit_recovers_overhead_and_rate_from_noisy_timings():
+    fit = FlopFit(SPEC, 400e9, "test GEMM")
+    rng = random.Random(3)
+    for _ in range(40):
+        e = rng.choice([16, 300, 1000, 3000])
+        fit.observe(e, e, _true_seconds(e, e) * rng.uniform(0.95, 1.05))
+    cost = fit.cost(PROFILE)
+    c0, c1, _c2 = cost.params.mean
+    assert c0 == pytest.approx(2e-3, rel=0.15)
+    assert c1 == pytest.approx(2 * SPEC.active_params / 50e9, rel=0.1)
+    assert "40 observed prefills" in cost.source and "FLOP-derived" in cost.source
+    assert math.sqrt(cost.params.cov[1][1]) < 0.05 * c1  # confident after many
+
+
+def test_overhead_is_never_negative():
+    fit = FlopFit(SPEC, 400e9, "test GEMM")
+    for e in (100, 1000, 3000):
+        fit.observe(e, e, _true_seconds(e, e, c0=0.0) * 0.7)  # a rate faster than the prior mean
+    assert fit.cost(PROFILE).params.mean[0] >= 0.0
+
+
+def test_a_link_fit_from_timed_copies():
+    fit = PagedLinkFit(PROFILE, Tier.DISK, Tier.GPU, block_bytes=16384)
+    for pages in (1, 8, 40, 93):
+        fit.observe(pages, 1e-4 + pages * 3e-5)
+    cost = fit.cost()
+    assert cost.params.mean[0] == pytest.approx(1e-4, rel=0.2) and cost.params.mean[1] == pytest.approx(3e-5, rel=0.05)
+    assert cost.params.mean[2] == 0.0 and "16384 bytes" in cost.label
+
+
+def _world():
+    d = descriptor(model=SPEC.model, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32)
+    scope = IdentityScope.of(d)
+    tokens = list(range(3000))
+    keys = tuple(block_keys(scope, tokens, 32))
+    found = LookupResult(num_blocks=len(keys), matches=(
+        LocationMatch(EntryLocation(worker="w", tier=Tier.DISK), "w", 93),))
+    query = PlanQuery(request_id="r", scope=scope, descriptor=d, keys=keys, prompt_tokens=3000, arrival_at=0.0,
+                      candidates=(WorkerLoad(worker="w", profile=PROFILE),))
+    policy = ExecutionPolicy(version="t", planner=PlannerSettings(default_hardware_profile=PROFILE))
+    return query, found, policy
+
+
+def test_reuse_starts_after_a_few_observations_and_the_decision_names_the_prior():
+    query, found, policy = _world()
+    cold = ColdStart(SPEC, PROFILE, block_bytes=16384, prefill_chunk_tokens=4096)
+    shipped = shipped_cost_model()
+    first = plan(query, found, cold.apply(shipped), policy, now=0.0)
+    assert first.chosen.action is Action.RECOMPUTE and "no cost profile" in first.decision.reason
+    cold.measured_gemm(400e9, "test GEMM")
+    for pages in (1, 8):
+        cold.observe_copy(Tier.DISK, Tier.GPU, pages, 1e-4 + pages * 3e-5)
+    guess = plan(query, found, cold.apply(shipped), policy, now=0.0)
+    assert guess.chosen.action is Action.RECOMPUTE  # the GEMM rate alone is not enough to act on
+    cold.observe_prefill(1024, 1024, _true_seconds(1024, 1024))
+    cold.observe_prefill(3000, 3000, _true_seconds(3000, 3000))
+    p = plan(query, found, cold.apply(shipped), policy, now=0.0)
+    assert p.chosen.action is Action.TRANSFER and p.decision.reused_tokens == 93 * 32
+    version = p.decision.cost_model_version
+    assert version.startswith(shipped.base + "+cold-start(vllm-cpu: hardware vllm-cpu: assumed; compute acme/tiny: FLOP")
+    assert "2 prefills" in version and "disk->gpu: 2 copies" in version
+
+
+def test_what_the_cost_model_has_is_never_overridden():
+    cold = ColdStart(SPEC, "h200x1-rdma4x200", block_bytes=16384, prefill_chunk_tokens=4096)
+    cold.measured_gemm(400e9, "test GEMM")
+    cold.observe_prefill(1000, 1000, 0.05)
+    cold.observe_copy(Tier.DISK, Tier.GPU, 8, 1e-3)
+    shipped = shipped_cost_model()
+    out = cold.apply(shipped)
+    assert out.hardware["h200x1-rdma4x200"] is shipped.hardware["h200x1-rdma4x200"]
+    assert out.link("h200x1-rdma4x200", Tier.DISK, Tier.GPU) is shipped.link("h200x1-rdma4x200", Tier.DISK, Tier.GPU)
+    assert out.compute_for(SPEC.model, "h200x1-rdma4x200").source.startswith("cold-start prior")
+    calibrated = shipped.with_compute(ComputeCost(model=SPEC.model, profile="h200x1-rdma4x200", source="fitted",
+                                                  params=LinearCost((0.0, 1e-5, 0.0)), observations=30, version=1))
+    assert cold.apply(calibrated) is calibrated  # nothing left to fill: the same snapshot, no label
+    assert cold.apply(shipped) is cold.apply(shipped)  # memoised until something changes
