@@ -246,7 +246,9 @@ class EvictionPolicy(Protocol):
 
 
 class ByUtility:
-    """Cheapest per byte first; a newcomer displaces only what is worth less per byte than itself."""
+    """Cheapest per byte first; a newcomer displaces only what is worth less per byte than itself
+    (a tie keeps the resident: state gets the chance to be used again before an equal one takes
+    its place)."""
 
     name: ClassVar[str] = "utility"
 

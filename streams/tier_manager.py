@@ -24,6 +24,8 @@ over its tiers, saving with :meth:`~nexuskv.dataplane.tiers.TierManager.save` (a
 :class:`~nexuskv.dataplane.tiers.SaveOutcome` says what was admitted, refused and why), reading
 with :meth:`~nexuskv.dataplane.tiers.TierManager.read`, and a :class:`TierBus` on its bus loop.
 
+Its tasks are supervised (:mod:`streams.supervisor`): one that fails stops the service, which
+exits 1 (``nexuskv up`` then names it); readiness waits for the hints' and commands' partitions.
 On SIGINT/SIGTERM the service stops the executor (queued and running copies get ``cancelled``
 results), publishes a last state, and writes ``tiers/<worker>/audit.json`` under
 ``NEXUSKV_DATA_DIR``: what each tier holds (announced, by key), what the ledger and the tiers
@@ -44,6 +46,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from nexuskv.admission import EVICTION_POLICIES, ReuseModel, block_gains
 from nexuskv.config import BrokerUrl, Settings
@@ -60,8 +63,8 @@ from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.policy import ExecutionPolicy
 from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
-from streams.process import stop_on_signals
-from streams.telemetry import METRICS, init_service
+from streams.supervisor import Supervisor, run_service
+from streams.telemetry import HEALTH, METRICS, init_service
 from streams.topic_keys import route
 
 __all__ = ["SERVICE", "TierBus", "cost_model_gains", "handle_hint", "state_records", "write_audit", "main"]
@@ -178,7 +181,8 @@ class TierBus:
 
     def __init__(self, url: BrokerUrl, manager: TierManager, *, worker: str,
                  executor: TransferExecutor | None = None, state_interval_s: float = 1.0,
-                 group_id: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 group_id: str | None = None, clock: Callable[[], float] = time.time,
+                 heartbeat: bool = True) -> None:
         self.url = url
         self.manager = manager
         self.worker = worker
@@ -186,6 +190,7 @@ class TierBus:
         self.state_interval_s = state_interval_s
         self.group_id = group_id or f"nexuskv-{SERVICE}-{worker}"
         self.clock = clock
+        self.heartbeat = heartbeat  # False where another supervisor of this process beats it
         self.ready = asyncio.Event()
         self.hints = 0
         self.rejected = 0
@@ -217,33 +222,35 @@ class TierBus:
         consumer = make_consumer(self.url, PLACEMENT, client_id=client, group_id=self.group_id,
                                  auto_offset_reset="latest")
         await consumer.start()
-        tasks = [asyncio.create_task(self._send_events(producer), name=f"{client}-events"),
-                 asyncio.create_task(self._states(producer, stop), name=f"{client}-state")]
+        supervisor = Supervisor(SERVICE, heartbeat=self.heartbeat)
+        supervisor.spawn(self._send_events(producer), name=f"{client}-events")
+        supervisor.spawn(self._states(producer), name=f"{client}-state")
+        supervisor.spawn(self._hints(consumer, producer), name=f"{client}-hints")
         try:
-            while not stop.is_set():
-                batch = await consumer.getmany(timeout_ms=200, max_records=512)
-                if consumer.assignment():
-                    self.ready.set()
-                for records in batch.values():
-                    for record in records:
-                        await self._hint(producer, record)
-                if batch:
-                    await consumer.commit()
-                for t in tasks:
-                    if t.done():
-                        t.result()  # a dead task stops the service with its error
+            await supervisor.until(stop)  # a failed task raises ServiceFailed: the service exits 1
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await supervisor.stop()
             await self._drain(producer)
             with contextlib.suppress(Exception):
                 for r in state_records(self.manager, now=self.clock()):
                     await send(producer, *route(r), r)
             await consumer.stop()
             await producer.stop()
+
+    async def _hints(self, consumer, producer: AIOKafkaProducer) -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=200, max_records=512)
+            if consumer.assignment() and not self.ready.is_set():
+                self.ready.set()
+                HEALTH.set_ready("placement", True, "partitions assigned")
+            for records in batch.values():
+                for record in records:
+                    await self._hint(producer, record)
+            if batch:
+                try:
+                    await consumer.commit()
+                except KafkaError as exc:  # not committed now: a restart re-reads hints, which are idempotent
+                    log.warning("hint offsets not committed (%s: %s)", type(exc).__name__, exc)
 
     async def _hint(self, producer: AIOKafkaProducer, record) -> None:
         try:
@@ -283,8 +290,8 @@ class TierBus:
                 await send(producer, KV_EVENTS, batch.publisher, batch)
                 self.batches_sent += 1
 
-    async def _states(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+    async def _states(self, producer: AIOKafkaProducer) -> None:
+        while True:
             await asyncio.to_thread(self.manager.tick)
             now = self.clock()
             for r in await asyncio.to_thread(state_records, self.manager, now=now):
@@ -293,8 +300,7 @@ class TierBus:
                 METRICS.tier_bytes.labels(r.tier.value, "reserved").set(r.reserved_bytes)
                 METRICS.tier_bytes.labels(r.tier.value, "pinned").set(r.pinned_bytes)
                 METRICS.tier_bytes.labels(r.tier.value, "capacity").set(r.capacity_bytes)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.state_interval_s)
+            await asyncio.sleep(self.state_interval_s)
 
 
 def build(settings: Settings, *, publish: Callable[[KvEventBatch], None],
@@ -332,7 +338,7 @@ async def serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> Tier
     holder: list[TierBus] = []
     manager, executor = build(settings, publish=lambda b: holder[0].publish_batch(b), model=lambda: replica.model)
     bus = TierBus(url, manager, worker=settings.worker, executor=executor,
-                  state_interval_s=settings.tier_state_interval_s)
+                  state_interval_s=settings.tier_state_interval_s, heartbeat=False)
     holder.append(bus)
     for b in manager.backends():
         c = b.capabilities
@@ -342,20 +348,20 @@ async def serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> Tier
     await replica.start(timeout_s=settings.broker_start_timeout_s)
     cost_producer = make_producer(url, client_id=f"{SERVICE}-{settings.worker}-cost-models")
     await cost_producer.start()
-    follow = asyncio.create_task(replica.run(cost_producer), name="tier-manager-cost-models")
+    models = Supervisor(SERVICE, heartbeat=False)  # the transfer service's supervisor beats the heartbeat
+    models.spawn(replica.run(cost_producer), name="tier-manager-cost-models")
     tasks = [asyncio.create_task(bus.run(stop), name="tier-bus"),
-             asyncio.create_task(transfers.run(stop), name="transfer-service")]
+             asyncio.create_task(transfers.run(stop), name="transfer-service"),
+             asyncio.create_task(models.until(stop), name="cost-models")]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        stop.set()  # one half stopped (or broke): stop the other, then report what broke
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop.set()  # one part stopped (or broke): stop the others, then report what broke
         await asyncio.wait(tasks)
         for t in tasks:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
     finally:
-        follow.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await follow
+        await models.stop()
         await replica.stop()
         await cost_producer.stop()
         manager.close()
@@ -374,16 +380,10 @@ def main() -> int:
         print(f"nexuskv tier manager: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
 
-    async def run() -> None:
-        stop = stop_on_signals()
+    async def run(stop: asyncio.Event) -> None:
         await serve(settings, url, stop)
 
-    try:
-        asyncio.run(run())
-    except NexusKVError as exc:
-        print(f"nexuskv tier manager: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(SERVICE, run)
 
 
 if __name__ == "__main__":

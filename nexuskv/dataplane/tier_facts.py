@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from nexuskv.contracts.kv_events import (
     MAX_BLOCKS_PER_EVENT,
@@ -35,7 +36,10 @@ from nexuskv.contracts.kv_events import (
 )
 from nexuskv.descriptor import Tier
 
-__all__ = ["BlockIdentity", "TierFacts", "event_hash"]
+if TYPE_CHECKING:
+    from nexuskv.dataplane.payload import PayloadKey
+
+__all__ = ["BlockIdentity", "TierChange", "FactSink", "TierFacts", "event_hash"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,6 +64,33 @@ class BlockIdentity:
     def __post_init__(self) -> None:
         if len(self.tokens) != self.block_size:
             raise ValueError(f"tokens: {len(self.tokens)} for a block of {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierChange:
+    """One change of a tier manager's tiers that the index must learn (in the order it was made).
+
+    ``stored``: ``key`` is announced, with its tokens, as held in ``tier``; ``moved``: an announced
+    block is now also held in ``tier`` (a tier event); ``removed``: it left ``tier``.
+    """
+
+    kind: Literal["stored", "moved", "removed"]
+    tier: Tier
+    key: PayloadKey
+    identity: BlockIdentity
+
+
+class FactSink(Protocol):
+    """Where a tier manager's changes go: :class:`TierFacts` (its own publisher), or an adapter's
+    publisher of its tier (the vLLM connector's, which also keeps a manifest).
+
+    ``apply`` is called under the manager's lock, in the order of the changes; ``flush`` outside
+    it, to publish what ``apply`` queued.
+    """
+
+    def apply(self, changes: Sequence[TierChange]) -> None: ...
+
+    def flush(self) -> int: ...
 
 
 class TierFacts:
@@ -100,6 +131,34 @@ class TierFacts:
             self._outbox.append(KvEventBatch(publisher=self.publisher, incarnation=self.incarnation, seq=self.seq,
                                              ts=self.clock(), identity=identity, events=events))
             self.seq += 1
+
+    def apply(self, changes: Sequence[TierChange]) -> None:
+        """Queue ``changes`` as events, one batch per run of one publisher identity, in order."""
+        if not changes or self.publish is None:
+            return
+        self.start(changes[0].identity.identity)
+        events: list[KvEvent] = []
+        ident = changes[0].identity.identity
+        i = 0
+        while i < len(changes):
+            c = changes[i]
+            if c.identity.identity != ident:
+                self.queue(events, ident)
+                events, ident = [], c.identity.identity
+            j = i + 1
+            while (j < len(changes) and changes[j].kind == c.kind and changes[j].tier is c.tier
+                   and changes[j].key.group == c.key.group and changes[j].identity.identity == ident):
+                j += 1
+            run = changes[i:j]
+            group = c.key.group
+            if c.kind == "stored":
+                events += stored_events([(x.key.key, x.identity) for x in run], c.tier, group)
+            elif c.kind == "moved":
+                events += moved_events([x.key.key for x in run], c.tier, group, c.identity.block_size)
+            else:
+                events += removed_events([x.key.key for x in run], c.tier, group)
+            i = j
+        self.queue(events, ident)
 
     def flush(self) -> int:
         """Hand queued batches to ``publish``, in order; returns how many."""

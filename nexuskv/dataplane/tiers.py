@@ -85,11 +85,10 @@ from nexuskv.admission import (
 from nexuskv.admission import (
     pin as pin_decision,
 )
-from nexuskv.contracts.kv_events import KvEvent, PublisherIdentity
 from nexuskv.dataplane.backend import Reservation, TierBackend, host_view
 from nexuskv.dataplane.catalog import TIER_ORDER, BackendCatalog
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
-from nexuskv.dataplane.tier_facts import BlockIdentity, TierFacts, moved_events, removed_events, stored_events
+from nexuskv.dataplane.tier_facts import BlockIdentity, FactSink, TierChange, TierFacts
 from nexuskv.descriptor import Tier
 from nexuskv.errors import DataPlaneError, TierUnavailableError
 
@@ -200,7 +199,7 @@ class TierManager:
     """The capacity authority of one worker's tiers (see the module docstring)."""
 
     def __init__(self, catalog: BackendCatalog, *, publisher: str | None = None,
-                 facts: TierFacts | None = None, policy: EvictionPolicy | None = None,
+                 facts: FactSink | None = None, policy: EvictionPolicy | None = None,
                  reuse: ReuseModel | None = None, gains: GainFn | None = None,
                  clock: Callable[[], float] = time.time, pin_fraction: float = 0.5,
                  tenant_pin_quota: Callable[[str], int | None] | None = None, lease_s: float = 5.0,
@@ -256,6 +255,12 @@ class TierManager:
             blk = self._blocks.get(key)
             return blk is not None and any(c.backend.capabilities.tier is tier and not c.leaving
                                            for c in blk.copies.values())
+
+    def keys(self, tier: Tier) -> list[PayloadKey]:
+        """Every block the manager holds in ``tier``, announced or not."""
+        with self._lock:
+            return [k for k, blk in self._blocks.items()
+                    if any(c.backend.capabilities.tier is tier for c in blk.copies.values())]
 
     def contents(self) -> dict[tuple[Tier, int], set[PayloadKey]]:
         """What the manager believes each tier holds and has announced: ``{(tier, group): keys}``."""
@@ -399,7 +404,7 @@ class TierManager:
     # -- making room ------------------------------------------------------------------------------
 
     def _make_room(self, backend: TierBackend, candidate: Resident | None, nbytes: int, now: float,
-                   events: list[tuple[PublisherIdentity, KvEvent]]) -> str | None:
+                   events: list[TierChange]) -> str | None:
         """Evict (demote or drop) so ``nbytes`` fit in ``backend``; None when done, else why not.
 
         ``candidate`` None: anything unpinned and idle may go (a planner-priced reservation).
@@ -447,7 +452,7 @@ class TierManager:
         return None
 
     def _demote_copy(self, blk: _Block, src: TierBackend, dst: TierBackend,
-                     events: list[tuple[PublisherIdentity, KvEvent]], now: float,
+                     events: list[TierChange], now: float,
                      p_reuse: dict[PayloadKey, float] | None = None) -> bool:
         """Copy ``blk`` from ``src`` to ``dst``, then delete it from ``src``; False when it could not.
 
@@ -490,13 +495,12 @@ class TierManager:
             return False
         blk.copies[id(dst)] = _Copy(dst, copy.nbytes, landing=copy.landing)
         if blk.identity is not None:
-            events.extend((blk.identity.identity, e) for e in
-                          moved_events([blk.key.key], dst.capabilities.tier, blk.key.group, blk.identity.block_size))
+            events.append(TierChange("moved", dst.capabilities.tier, blk.key, blk.identity))
         self.counters["demoted"] += 1
         self._drop_copy(blk, src, events, why="demoted", demoted=True)
         return True
 
-    def _drop_copy(self, blk: _Block, backend: TierBackend, events: list[tuple[PublisherIdentity, KvEvent]], *,
+    def _drop_copy(self, blk: _Block, backend: TierBackend, events: list[TierChange], *,
                    why: str, demoted: bool = False) -> None:
         copy = blk.copies.pop(id(backend), None)
         if copy is None:
@@ -506,8 +510,7 @@ class TierManager:
         except TierUnavailableError as exc:
             log.warning("deleting %s from %s failed: %s", blk.key, backend.label, exc)
         if blk.identity is not None:
-            events.extend((blk.identity.identity, e) for e in
-                          removed_events([blk.key.key], backend.capabilities.tier, blk.key.group))
+            events.append(TierChange("removed", backend.capabilities.tier, blk.key, blk.identity))
         if not demoted:
             self.counters["dropped"] += 1
             if not blk.copies:
@@ -535,7 +538,7 @@ class TierManager:
         held: list[PayloadKey] = []
         reasons: list[str] = []
         saved = already = refused = failed = nbytes = 0
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         todo: list[tuple[SaveBlock, PayloadHeader, Reservation, int]] = []
         with self._lock:
             dst = self._backend_of(tier)
@@ -610,8 +613,7 @@ class TierManager:
                     if blk.identity is None:
                         self._announce(blk, sb.identity, events, tier=dst.capabilities.tier)
                     else:
-                        events.extend((blk.identity.identity, e) for e in moved_events(
-                            [sb.key.key], dst.capabilities.tier, sb.key.group, blk.identity.block_size))
+                        events.append(TierChange("moved", dst.capabilities.tier, sb.key, blk.identity))
                 else:
                     blk.lease_until = now + self.lease_s
                 saved += 1
@@ -624,7 +626,7 @@ class TierManager:
         return SaveOutcome(tier, len(blocks), saved, already, refused, failed, nbytes, tuple(held),
                            tuple(dict.fromkeys(reasons)))
 
-    def _announce(self, blk: _Block, identity: BlockIdentity, events: list[tuple[PublisherIdentity, KvEvent]], *,
+    def _announce(self, blk: _Block, identity: BlockIdentity, events: list[TierChange], *,
                   tier: Tier | None = None) -> None:
         """Give ``blk`` its identity: a stored event with tokens in one tier, tier events for the rest."""
         blk.identity = identity
@@ -638,12 +640,10 @@ class TierManager:
         first = tier if tier is not None else (tiers[0] if tiers else None)
         if first is None:
             return
-        self.facts.start(identity.identity)
-        events.extend((identity.identity, e) for e in stored_events([(blk.key.key, identity)], first, blk.key.group))
+        events.append(TierChange("stored", first, blk.key, identity))
         for t in tiers:
             if t is not first:
-                events.extend((identity.identity, e) for e in moved_events([blk.key.key], t, blk.key.group,
-                                                                            identity.block_size))
+                events.append(TierChange("moved", t, blk.key, identity))
 
     def _use(self, blk: _Block, now: float, uses: float = 1.0) -> None:
         blk.score = self.reuse.used(blk.score, blk.since, now, uses)
@@ -715,7 +715,7 @@ class TierManager:
         """
         need = sum(n for _, n in blocks)
         now = self.clock()
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         with self._lock:
             held = self._held.pop(transfer_id, None)
             if held is not None and held.backend is not backend:
@@ -748,7 +748,7 @@ class TierManager:
                nbytes: Sequence[int], *, lease_until: float) -> None:
         """A copy committed ``keys`` into ``backend``: hold them; announce those whose identity is known."""
         now = self.clock()
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         with self._lock:
             h = self._held.pop(transfer_id, None)
             if h is not None:
@@ -766,8 +766,7 @@ class TierManager:
                 if id(backend) not in blk.copies:
                     blk.copies[id(backend)] = _Copy(backend, n, landing=transfer_id)
                     if blk.identity is not None:
-                        events.extend((blk.identity.identity, e) for e in
-                                      moved_events([key.key], tier, key.group, blk.identity.block_size))
+                        events.append(TierChange("moved", tier, key, blk.identity))
                     self._note_size(backend, n)
                 elif blk.identity is None:
                     blk.lease_until = max(blk.lease_until or now, lease_until)
@@ -801,7 +800,7 @@ class TierManager:
         now = self.clock()
         if expires_at <= now or nbytes <= 0:
             return "nothing to reserve: expired or empty"
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         with self._lock:
             if transfer_id in self._held:
                 return None
@@ -883,7 +882,7 @@ class TierManager:
 
     def demote(self, keys: Sequence[PayloadKey], tier: Tier, to_tier: Tier) -> int:
         """Move held ``keys`` from ``tier`` down to ``to_tier`` (dropped where that is impossible)."""
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         n = 0
         now = self.clock()
         with self._lock:
@@ -908,7 +907,7 @@ class TierManager:
 
     def evict(self, keys: Sequence[PayloadKey], tier: Tier) -> int:
         """Drop held ``keys`` from ``tier`` (not pinned, read or anchored ones)."""
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         n = 0
         now = self.clock()
         with self._lock:
@@ -922,6 +921,43 @@ class TierManager:
                         self._drop_copy(blk, c.backend, events, why="evict hint")
                         n += 1
         self._queue(events)
+        self.flush()
+        return n
+
+    def adopt(self, entries: Sequence[tuple[PayloadKey, BlockIdentity, int]], *, tenant: str) -> int:
+        """Payloads the tiers held at start whose identities the caller's publisher re-announced
+        itself (the vLLM connector's manifest): ``(key, identity, position)``; they are kept as
+        announced, without events. Returns how many a managed tier holds."""
+        n = 0
+        now = self.clock()
+        with self._lock:
+            for key, identity, position in entries:
+                blk = self._blocks.get(key)
+                if blk is None:
+                    continue
+                blk.identity, blk.lease_until, blk.tenant, blk.position = identity, None, tenant, position
+                blk.score, blk.since = max(blk.score, 1.0), now
+                blk.parent = None if identity.parent is None else PayloadKey(key.descriptor_id, identity.parent,
+                                                                             key.group)
+                n += 1
+            for blk in self._blocks.values():
+                if blk.identity is not None and blk.parent is not None and blk.parent in self._blocks:
+                    self._blocks[blk.parent].children.add(blk.key)
+        return n
+
+    def lost(self, keys: Sequence[PayloadKey], tier: Tier) -> int:
+        """Payloads found missing or corrupt in ``tier`` behind the manager's back: forget them there
+        (and tell the index), whatever pinned or chained them; returns how many were held."""
+        changes: list[TierChange] = []
+        n = 0
+        with self._lock:
+            for key in keys:
+                blk = self._blocks.get(key)
+                for c in list(blk.copies.values()) if blk is not None else ():
+                    if c.backend.capabilities.tier is tier:
+                        self._drop_copy(blk, c.backend, changes, why="lost: missing or corrupt")  # type: ignore[arg-type]
+                        n += 1
+        self._queue(changes)
         self.flush()
         return n
 
@@ -939,7 +975,7 @@ class TierManager:
         """Expire reservations and pins; drop held blocks nobody can find (no identity, lease
         over); returns how many blocks were dropped."""
         now = self.clock()
-        events: list[tuple[PublisherIdentity, KvEvent]] = []
+        events: list[TierChange] = []
         dropped = 0
         with self._lock:
             for tid, h in list(self._held.items()):
@@ -963,21 +999,12 @@ class TierManager:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _queue(self, events: list[tuple[PublisherIdentity, KvEvent]]) -> None:
-        """Queue events as batches, one per run of the same identity, in order."""
+    def _queue(self, events: list[TierChange]) -> None:
+        """Hand the changes to the fact sink, in the order they were made (under the ledger's lock)."""
         if not events:
             return
         with self._lock:
-            run: list[KvEvent] = []
-            ident = events[0][0]
-            for i, e in events:
-                if i != ident and run:
-                    self.facts.queue(run, ident)
-                    run = []
-                ident = i
-                run.append(e)
-            if run:
-                self.facts.queue(run, ident)
+            self.facts.apply(events)
 
     def flush(self) -> int:
         return self.facts.flush()
