@@ -208,7 +208,7 @@ class SchedulerSide:
             return 0, False
         query = PlanQuery(request_id=request_id, scope=self.scope, descriptor=self.descriptor, keys=tuple(keys),
                           prompt_tokens=len(token_ids), arrival_at=now,
-                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile),))
+                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile, loads_own_tiers=True),))
         view = self._readable_view(found, local)
         for _attempt in range(2):
             p = st.plan = plan(query, view, self.cost_model(), execution, now=now)

@@ -262,7 +262,9 @@ class MoveOverLink:
         e = n - prefix * bs
         e = e if e > 0 else 1
         tail = w.tail_s(e, n, block_bytes)
-        overlap = queue_s + (tail * (layers - 1) / layers if layers > 1 else 0.0)
+        layered = tail * (layers - 1) / layers if layers > 1 else 0.0
+        # An engine that loads its own tiers starts the copy when the request leaves its queue.
+        overlap = layered if load.loads_own_tiers and src.worker == wid else queue_s + layered
         interference = transfer * link.interference
         restore = restore_fixed + restore_per_token * count * bs
         visible = transfer - overlap if transfer > overlap else 0.0

@@ -42,11 +42,11 @@ class Loads:
     def first_token(self, engine: int, rid: str) -> None:
         self.waiting[engine].pop(rid, None)
 
-    def worker_load(self, engine: int, worker: str, profile: str | None, prompt_tokens: int) -> WorkerLoad:
+    def worker_load(self, engine: int, worker: str, profile: str | None, *, loads_own_tiers: bool) -> WorkerLoad:
         ahead = list(self.waiting[engine].values())
         return WorkerLoad(worker=worker, profile=profile, queued_prefill_tokens=sum(ahead),
                           queued_prefill_requests=len(ahead),
-                          queued_prefill_token_products=sum(t * t for t in ahead))
+                          queued_prefill_token_products=sum(t * t for t in ahead), loads_own_tiers=loads_own_tiers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,7 @@ class PlannerRouter:
     profile: str | None
     prefix: str
     timeout_s: float = 60.0
+    loads_own_tiers: bool = True  # vLLM's NexusKV connector reads the worker's own disk tier itself
     _decisions: dict[str, Decision] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _producer: object = None
@@ -130,7 +131,8 @@ class PlannerRouter:
         started = time.perf_counter()
         d = self.descriptor
         keys = self._keyer.keys(list(tokens))  # type: ignore[union-attr]
-        candidates = tuple(loads.worker_load(i, w, self.profile, len(tokens)) for i, w in enumerate(self.workers))
+        candidates = tuple(loads.worker_load(i, w, self.profile, loads_own_tiers=self.loads_own_tiers)
+                           for i, w in enumerate(self.workers))
         pid = f"{self.prefix}/{rid}"
         request = PlanRequest(request_id=pid, scope=IdentityScope.of(d), block_size=d.block_size,
                               prompt_tokens=len(tokens), keys=tuple(keys), arrival_at=arrival_at,

@@ -24,7 +24,8 @@ def test_default_takes_whole_conversations_from_the_whole_trace_up_to_the_cap():
 def test_equal_hash_ids_give_equal_token_prefixes_and_the_caps_hold():
     a = TraceRequest(0, 2048, 10, (0, 1, 2, 3))
     b = TraceRequest(1000, 4096, 10, (0, 1, 2, 3, 4, 5, 6, 7))
-    shape = WorkloadShape(hash_block_tokens=32, max_prompt_tokens=200, follow_ups=False, max_gap_s=0.5, warmup=0)
+    shape = WorkloadShape(hash_block_tokens=32, max_prompt_tokens=200, follow_ups=False, max_gap_s=0.5, warmup=0,
+                          time_scale=10)
     w = build_workload([a, b], shape)
     ra, rb = w.requests
     assert ra.tokens == rb.tokens[: len(ra.tokens)] and len(ra.tokens) == 128 and len(rb.tokens) == 200
