@@ -5,8 +5,9 @@ TTFT mean and percentiles, end-to-end latency, prompt tokens the engines compute
 per request: the observed Effective Gain (baseline TTFT minus NexusKV TTFT of the same request),
 whether the outputs differ (greedy: they must not), and for the NexusKV run the prediction —
 predicted EG beside observed, and the relative error of the predicted TTFT, before and after the
-warm-up. Plus the NexusKV run's decisions by action, tokens reused by source tier and transfers
-planned vs completed.
+warm-up. Plus the NexusKV run's routing decisions by action, tokens reused by source tier, and the
+loads the engines' connectors decided: planned vs completed, and tokens loaded per tier
+(``replay_loads``).
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class ReplayFigures:
     median_ttft_rel_error: float | None  # measured requests
     actions: dict[str, int]
     reused_tokens_by_tier: dict[str, int]
-    transfers_planned: int
+    transfers_planned: int  # loads the engines' connectors decided (measured requests)
     transfers_completed: int
+    transfers_fell_back: int  # recomputed instead: the load failed or came too late
+    tokens_loaded_by_tier: dict[str, int]
 
     def ratio(self, field_name: str) -> float | None:
         """NexusKV / baseline of a RunFigures field over the measured requests."""
@@ -90,19 +93,21 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
                                [replay_id]).fetchall())
     tiers = dict(con.execute(f"SELECT coalesce(source_tier, 'none'), sum(reused_tokens) FROM ({decided}) "
                              "WHERE reused_tokens > 0 GROUP BY ALL ORDER BY 1", [replay_id]).fetchall())
-    planned, completed = con.execute(
-        "SELECT count(*) FILTER (WHERE d.action IN ('transfer', 'prefetch') AND d.revision = 0), "
-        "count(DISTINCT t.request_id) FILTER (WHERE t.status = 'completed') "
-        "FROM replay_requests r JOIN decisions d ON d.request_id = r.decision_id "
-        "LEFT JOIN transfer_results t ON t.request_id = d.request_id "
-        "WHERE r.replay_id = ? AND r.run = 'nexuskv' AND NOT r.warmup", [replay_id]).fetchall()[0]
+    loads = con.execute(
+        "SELECT tier, sum(loads_planned), sum(loads_completed), sum(loads_fell_back), sum(tokens_loaded) "
+        "FROM replay_loads WHERE replay_id = ? AND run = 'nexuskv' AND phase = 'measured' GROUP BY tier ORDER BY tier",
+        [replay_id]).fetchall()
+    planned = sum(int(r[1] or 0) for r in loads)
+    completed = sum(int(r[2] or 0) for r in loads)
+    fell_back = sum(int(r[3] or 0) for r in loads)
     return ReplayFigures(
         replay_id=replay_id, measured=_runs(con, replay_id, "measured"), warmup=_runs(con, replay_id, "warm-up"),
         compared=int(one[0] or 0), differing_outputs=int(one[1] or 0), mean_observed_eg_s=one[2],
         sum_observed_eg_s=one[3], sum_predicted_eg_s=one[4], median_ttft_rel_error_warmup=one[5],
         median_ttft_rel_error=one[6], actions={k: int(v) for k, v in actions.items()},
-        reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=int(planned or 0),
-        transfers_completed=int(completed or 0))
+        reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
+        transfers_completed=completed, transfers_fell_back=fell_back,
+        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads})
 
 
 def _s(v: float | None, unit: str = "s") -> str:
@@ -136,7 +141,10 @@ def render(fig: ReplayFigures) -> str:
         lines.append("NexusKV decisions: " + ", ".join(f"{k} {v}" for k, v in fig.actions.items())
                      + "; tokens reused by source tier: "
                      + (", ".join(f"{k} {v}" for k, v in fig.reused_tokens_by_tier.items()) or "none")
-                     + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned")
+                     + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned"
+                     + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else "")
+                     + "; tokens loaded by tier: "
+                     + (", ".join(f"{k} {v}" for k, v in fig.tokens_loaded_by_tier.items()) or "none"))
     warm = [r for r in ("baseline", "nexuskv") if r in fig.warmup]
     if warm:
         lines.append("warm-up (excluded above): " + "; ".join(

@@ -27,6 +27,9 @@ observed TTFT.
 
 ``replay_comparison`` (view) — per replayed request, both runs side by side with the prediction
 (predicted EG and TTFT, the relative TTFT error) and whether the outputs were equal;
+``replay_loads`` (view) — per run, phase and source tier: the loads the engines' connectors
+decided (revision 0 of their decisions; vLLM names a request ``<the client's id>-<n>-<random>``), how many completed (no fallback record, the worker's
+copy reported ok), fell back to recompute, and the tokens and bytes loaded.
 ``replay_summary`` (view) — per run and phase (warm-up, measured): TTFT mean and percentiles,
 end-to-end latency, prompt tokens recomputed.
 
@@ -257,6 +260,32 @@ REPLAY_VIEWS: dict[str, str] = {
         LEFT JOIN {_LATEST} d ON d.request_id = n.decision_id
         WHERE n.run = 'nexuskv'
         ORDER BY n.replay_id, n.seq""",
+    "replay_loads": """
+        CREATE OR REPLACE VIEW replay_loads AS
+        WITH planned AS (
+            SELECT r.replay_id, r.run, r.warmup, d.request_id, d.source_tier
+            FROM replay_requests r JOIN decisions d ON d.revision = 0 AND r.engine_request_id IS NOT NULL
+                AND (d.request_id = r.engine_request_id OR starts_with(d.request_id, r.engine_request_id || '-'))
+            WHERE d.action IN ('transfer', 'prefetch')
+        ), superseded AS (SELECT DISTINCT request_id FROM decisions WHERE revision > 0),
+        copied AS (
+            SELECT request_id, bool_and(ok) AS ok, sum(pages) FILTER (WHERE ok) AS blocks,
+                   sum(bytes) FILTER (WHERE ok) AS bytes, sum(duration_s) AS load_s
+            FROM observations WHERE kind = 'transfer' AND destination_tier = 'gpu' AND request_id IS NOT NULL
+            GROUP BY request_id
+        )
+        SELECT p.replay_id, p.run, CASE WHEN p.warmup THEN 'warm-up' ELSE 'measured' END AS phase,
+               p.source_tier AS tier, count(*) AS loads_planned,
+               count(*) FILTER (WHERE s.request_id IS NULL AND coalesce(c.ok, false)) AS loads_completed,
+               count(*) FILTER (WHERE s.request_id IS NOT NULL) AS loads_fell_back,
+               coalesce(sum(c.blocks), 0) * any_value(CAST(json_extract(u.config_json, '$.block_size') AS BIGINT))
+                   AS tokens_loaded,
+               coalesce(sum(c.bytes), 0) AS bytes_loaded, avg(c.load_s) AS mean_load_s
+        FROM planned p
+        LEFT JOIN superseded s ON s.request_id = p.request_id
+        LEFT JOIN copied c ON c.request_id = p.request_id
+        LEFT JOIN replay_runs u ON u.replay_id = p.replay_id AND u.run = p.run
+        GROUP BY ALL ORDER BY p.replay_id, phase, p.run, tier""",
     "replay_summary": """
         CREATE OR REPLACE VIEW replay_summary AS
         SELECT replay_id, run, CASE WHEN warmup THEN 'warm-up' ELSE 'measured' END AS phase,
