@@ -191,8 +191,8 @@ class Settings(BaseModel):
     )
     worker: str = _env(
         "NEXUSKV_WORKER",
-        "Worker id of this process's data plane: the transfer executor serves commands whose destination "
-        "is this worker.",
+        "Worker id of this process's data plane: its tier manager owns this worker's tiers and its transfer "
+        "executor serves commands whose destination is this worker.",
         "worker-0",
         min_length=1,
         max_length=256,
@@ -226,6 +226,33 @@ class Settings(BaseModel):
         "Memory in bytes of the remote tier store this process starts (its Mooncake segment, allocated at start; "
         "a full store rejects a save, it never evicts on its own). At least 16 MiB (Mooncake's smallest segment).",
         1 << 30, ge=16 << 20,
+    )
+    tier_policy: str = _env(
+        "NEXUSKV_TIER_POLICY",
+        "How the tier manager evicts and admits: `utility` (expected gain per byte, whitepaper §7.5: a block "
+        "enters a full tier only if worth more than what it displaces) or `lru` (least recently used first, "
+        "everything admitted).",
+        "utility",
+        pattern=r"^(utility|lru)$",
+    )
+    tier_reuse_half_life_s: float = _env(
+        "NEXUSKV_TIER_REUSE_HALF_LIFE",
+        "Seconds in which a block's use count halves; P(reuse) is read from it over the same horizon.",
+        600.0, gt=0, le=30 * 86400,
+    )
+    tier_pin_fraction: float = _env(
+        "NEXUSKV_TIER_PIN_FRACTION", "Share of each managed tier's capacity that pins may hold.", 0.5, ge=0, le=1,
+    )
+    tier_lease_s: float = _env(
+        "NEXUSKV_TIER_LEASE",
+        "Seconds after its deadline that a copy from outside the worker (no identity: the index cannot find it) "
+        "is kept for its request before it is collected.",
+        5.0, ge=0, le=3600,
+    )
+    tier_state_interval_s: float = _env(
+        "NEXUSKV_TIER_STATE_INTERVAL",
+        "Seconds between the tier manager's `nexuskv.tier-state` records (usage and displacement price).",
+        1.0, gt=0, le=3600,
     )
     transfer_lanes: int = _env(
         "NEXUSKV_TRANSFER_LANES", "Threads that copy the blocks of one transfer concurrently.", 2, ge=1, le=64,

@@ -9,6 +9,10 @@ root) and ``nexuskv.transfers`` (keyed by destination worker). Input that cannot
 payload that does not decode, a descriptor the planner does not know, token ids that cannot be
 keyed — goes to ``nexuskv.dead-letter`` with the reason.
 
+Prices: a replica of ``nexuskv.tier-state`` (:class:`streams.tier_prices.TierPriceReplica`) gives
+each worker's displacement price, which the planner charges a prefetch into that worker's GPU tier
+as ``C_pollution`` (the policy's flat default where a worker publishes none).
+
 Deadlines: a ticker abandons transfers whose deadline passed (a superseding recompute decision,
 revision + 1, and a ``cancel`` hint), and turns copies that land late into ``demote`` hints
 (:mod:`nexuskv.prefetch`). The execution policy file is re-read when it changes; a bad edit is
@@ -50,7 +54,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -98,6 +102,7 @@ from streams.telemetry import (
     span_from_record,
     tracer,
 )
+from streams.tier_prices import TierPriceReplica
 
 __all__ = ["SERVICE", "NullIndexView", "KnownDescriptors", "Outgoing", "PlannerCore", "PlannerService", "main"]
 
@@ -179,10 +184,12 @@ class PlannerCore:
     """Everything between bytes in and records out, without I/O; the clock is passed in."""
 
     def __init__(self, index: IndexView, *, model: Callable[[], CostModel], policy: Callable[[], ExecutionPolicy],
-                 descriptors: KnownDescriptors, identity_secret: bytes = b"", seen_capacity: int = 100_000) -> None:
+                 descriptors: KnownDescriptors, identity_secret: bytes = b"", seen_capacity: int = 100_000,
+                 prices: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.index = index
         self.model = model
         self.policy = policy
+        self.prices = prices  # worker -> displacement price of its GPU tier (nexuskv.tier-state)
         self.descriptors = descriptors
         self.secret = identity_secret
         self.scheduler = PrefetchScheduler(policy())
@@ -217,7 +224,8 @@ class PlannerCore:
                                  "nexuskv.index_lag_ms": lookup.lag_ms})
         policy = self.policy()
         p = plan(query, lookup, self.model(), policy, now=now,
-                 headroom=self.scheduler.headroom(query.scope.tenant_namespace))
+                 headroom=self.scheduler.headroom(query.scope.tenant_namespace),
+                 pollution_s_per_gib=self.prices() if self.prices is not None else None)
         self.scheduler.track(p, now=now)
         return p
 
@@ -261,9 +269,10 @@ class PlannerService:
         self.policy_file = PolicyFile(policy_file) if policy_file is not None else None
         self._policy = policy or (self.policy_file.current if self.policy_file else ExecutionPolicy(version="builtin"))
         self.replica = CostModelReplica(url, base_model or shipped_cost_model(), service=service, clock=clock)
+        self.tier_prices = TierPriceReplica(url, service=service, clock=clock)
         self.core = PlannerCore(index, model=lambda: self.replica.model, policy=lambda: self.policy,
                                 descriptors=descriptors or KnownDescriptors.with_known_models(),
-                                identity_secret=identity_secret)
+                                identity_secret=identity_secret, prices=self.tier_prices.prices)
         self.policy_reload_s = policy_reload_s
         self.tick_s = tick_s
         self.commit_s = commit_s
@@ -284,6 +293,7 @@ class PlannerService:
         self._producer = make_producer(self.url, client_id=self.service, **tuning.LOW_LATENCY_PRODUCER)
         await self._producer.start()
         await self.replica.start(timeout_s=timeout_s)
+        await self.tier_prices.start(timeout_s=timeout_s)
         self._consumer = make_consumer(self.url, PLAN_REQUESTS, TRANSFER_RESULTS, client_id=self.service,
                                        group_id=self.group_id, **tuning.LOW_LATENCY_CONSUMER)
         await self._consumer.start()
@@ -296,6 +306,7 @@ class PlannerService:
         sup = self.supervisor = Supervisor(self.service)
         sup.spawn(self._serve(), name=f"{self.service}-serve")
         sup.spawn(self.replica.run(self._producer), name=f"{self.service}-cost-models")
+        sup.spawn(self.tier_prices.run(self._producer), name=f"{self.service}-tier-prices")
         sup.spawn(self._tick(), name=f"{self.service}-tick")
         sup.spawn(self._commit_loop(), name=f"{self.service}-commit")
         HEALTH.set_ready("plan-requests", True, "partitions assigned")
@@ -327,6 +338,7 @@ class PlannerService:
                 await self._commit()
             await self._consumer.stop()
         await self.replica.stop()
+        await self.tier_prices.stop()
         if self._producer is not None:
             await self._producer.stop()
 

@@ -181,6 +181,9 @@ class _Metrics:
                                  registry=registry)
         self.index_size = Gauge("nexuskv_index_memberships", "(block, location) memberships in the index",
                                 ["service"], registry=registry)
+        # kind: capacity, used, reserved (prefetch room and copies landing), pinned.
+        self.tier_bytes = Gauge("nexuskv_tier_bytes", "bytes of a managed tier by kind", ["tier", "kind"],
+                                registry=registry)
         self.unrecoverable = Counter("nexuskv_index_unrecoverable_records",
                                      "kv-events records that retention removed before this index applied them",
                                      ["service", "topic"], registry=registry)

@@ -3,7 +3,8 @@
 * KvEventBatch -> ``nexuskv.kv-events``, keyed by publisher (one publisher's batches stay in order);
 * ObservationRecord -> ``nexuskv.observations``, keyed by model and profile (prefill), by worker
   and link (transfer), by worker (load);
-* TransferResult -> ``nexuskv.transfer-results``, keyed by request id.
+* TransferResult -> ``nexuskv.transfer-results``, keyed by request id;
+* TierStateRecord -> ``nexuskv.tier-state``, keyed by worker and tier.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from nexuskv.contracts.base import Contract
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation
-from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TRANSFER_RESULTS, Topic
+from nexuskv.contracts.tier_state import TierStateRecord
+from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TIER_STATE, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import ContractError
 
@@ -24,6 +26,8 @@ def route(record: Contract) -> tuple[Topic, str]:
         return KV_EVENTS, record.publisher
     if isinstance(record, TransferResult):
         return TRANSFER_RESULTS, record.request_id
+    if isinstance(record, TierStateRecord):
+        return TIER_STATE, record.key
     if isinstance(record, ObservationRecord):
         obs = record.observation
         if isinstance(obs, PrefillObservation):

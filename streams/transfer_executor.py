@@ -223,6 +223,8 @@ def catalog_from_settings(settings: Settings, *, wait_s: float | None = None) ->
 
 
 def main() -> int:
+    """The executor alone, over tiers nothing manages: for embedding and tests. ``nexuskv up`` runs it
+    inside the tier manager (``python -m streams.tier_manager``), which owns the tiers it writes."""
     try:
         settings = Settings.from_env()
         init_service(SERVICE, settings)

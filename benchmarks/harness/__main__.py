@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from benchmarks.harness.cluster import CAPACITIES
 from benchmarks.harness.output import render, write_artifacts, write_result_file
 from benchmarks.harness.run import TRACES, HarnessConfig, run_harness
 from benchmarks.harness.truth import DRIFTS
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drift", choices=tuple(DRIFTS), default="drift", help="how the true costs differ from the "
                                                                           "shipped profile the planner starts from")
     ap.add_argument("--ablations", action="store_true", help="also run NexusKV with each §10.4 mechanism off")
+    ap.add_argument("--capacity", choices=tuple(CAPACITIES), default="default",
+                    help="tier capacities (pressure: host, disk and store small enough to overfill several times)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="POLICY",
+                    help="run only these policies and ablations (the oracle is always run)")
     ap.add_argument("--control", type=int, default=200, help="requests of the no-reuse control (0: skip it)")
     ap.add_argument("--warmup", type=int, default=0, help="requests left out of the figures (caches start cold)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel processes")
@@ -37,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true",
                     help="do not write benchmarks/results/harness_eg_vs_oracle.json")
     args = ap.parse_args(argv)
+    extra = {}
+    if args.only:
+        extra["policies"] = tuple(dict.fromkeys([*args.only, "oracle"]))
     config = HarnessConfig(trace=args.trace, requests=args.requests, workers=args.workers, time_scale=args.time_scale,
                            load=args.load, arrival=args.arrival, seed=args.seed, trials=args.trials, drift=args.drift,
                            ablations=args.ablations, control_requests=args.control, warmup=args.warmup,
-                           jobs=args.jobs, out=args.out)
+                           jobs=args.jobs, out=args.out, capacity=CAPACITIES[args.capacity], **extra)
     result = run_harness(config)
     write_artifacts(result, args.out)
     print(render(result))

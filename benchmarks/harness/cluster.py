@@ -24,7 +24,7 @@ from nexuskv.descriptor import StateDescriptor
 from nexuskv.models import known_model
 from nexuskv.profiles import HARDWARE, MODEL_SPECS
 
-__all__ = ["Capacity", "ClusterSpec", "STORE"]
+__all__ = ["Capacity", "CAPACITIES", "ClusterSpec", "STORE"]
 
 #: Worker name under which the shared remote store publishes and is addressed.
 STORE = "remote-store"
@@ -43,6 +43,15 @@ class Capacity:
         for name in ("gpu_tokens", "host_tokens", "disk_tokens", "remote_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"capacity.{name}: negative")
+
+
+#: Named capacity sets. ``pressure``: host a quarter, disk and store an eighth of the default, so
+#: the conversation slice's ~11M tokens of working set overfill every tier beyond the GPU several
+#: times (the §10.4 tier-admission and eviction ablations need state to compete for room).
+CAPACITIES: dict[str, Capacity] = {
+    "default": Capacity(),
+    "pressure": Capacity(gpu_tokens=262_144, host_tokens=262_144, disk_tokens=524_288, remote_tokens=2_097_152),
+}
 
 
 @dataclass(frozen=True)

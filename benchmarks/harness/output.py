@@ -26,6 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from analytics.store import DecisionStore
+
 from benchmarks._result import write_result
 from benchmarks.harness.metrics import Summary
 from benchmarks.harness.run import HarnessResult

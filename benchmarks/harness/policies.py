@@ -67,6 +67,8 @@ class Policy(ABC):
     tiers = "all"  # the data plane's tiers in its runs (state.TIER_SETS)
     identity = "full"  # how its index keys state (state.IDENTITIES)
     layerwise = True  # the state restores layer by layer (overlapping the prefill)
+    eviction = "lru"  # how its host, disk and store tiers evict and admit (state.EVICTIONS)
+    tier_admission = True  # with utility eviction: a full tier admits only what is worth more
     timed = True  # its decision time is on the request's critical path
     mode = ExecMode()
 
@@ -214,6 +216,8 @@ class NexusOptions:
     prefetch: bool = True  # planner.prefetch
     interference: bool = True  # the believed model charges copy and decode interference
     reuse_probability: bool = True  # P_use of a prefetch from the link's uncertainty and p_consume
+    eviction_utility: bool = True  # host, disk and store tiers evict by utility per byte (off: LRU)
+    tier_admission: bool = True  # a full tier admits only state worth more than its cheapest (off: all)
 
 
 _OBSERVED_TIER = {"host": Tier.HOST, "disk": Tier.DISK, "net": Tier.REMOTE, "store": Tier.REMOTE}
@@ -227,6 +231,8 @@ class NexusKV(Policy):
         self.name = name
         self.options = options
         self.identity = identity
+        self.eviction = "utility" if options.eviction_utility else "lru"
+        self.tier_admission = options.tier_admission  # (LRU tiers admit everything whatever this says)
         self.layerwise = layerwise
         self.mode = mode
         settings = PlannerSettings(default_hardware_profile=profile, prefetch=options.prefetch,
@@ -398,6 +404,9 @@ ABLATIONS: dict[str, str] = {
     "no-interference-cost": "the believed cost model charges no copy or decode interference",
     "no-reuse-probability": "P_use = 1: p_consume=1 and link costs taken as certain",
     "no-admission-budgets": "no transfer budgets: the planner gets no headroom to respect",
+    "no-eviction-utility": "host, disk and store tiers evict least recently used first and admit everything "
+                           "(what every other policy's tiers do)",
+    "no-tier-admission": "tiers evict by utility but admit every offload and write, worth it or not",
     "no-fallback": "a late copy is waited for instead of abandoned at its deadline",
     "no-calibration": "the believed cost model stays the shipped one (no online fit)",
 }
@@ -444,6 +453,10 @@ def make_policy(name: str, profile: str, *, keep_records: bool = False) -> Polic
         o = replace(o, reuse_probability=False)
     elif name == "no-admission-budgets":
         o = replace(o, budgets=False)
+    elif name == "no-eviction-utility":
+        o = replace(o, eviction_utility=False)
+    elif name == "no-tier-admission":
+        o = replace(o, tier_admission=False)
     elif name == "no-fallback":
         kwargs["mode"] = ExecMode(fallback=False)
     elif name == "no-calibration":

@@ -142,7 +142,8 @@ def simulate(policy: Policy, workload: Workload, spec: ClusterSpec, drift: Drift
     started = time.perf_counter()
     truth = TrueCosts(spec.profile, spec.model, drift, seed)
     state = ClusterState(spec, truth, tiers=policy.tiers, identity=policy.identity,
-                         layerwise=spec.layerwise and policy.layerwise)
+                         layerwise=spec.layerwise and policy.layerwise, eviction=policy.eviction,
+                         tier_admission=policy.tier_admission)
     policy.bind(state)
     bt = state.block_tokens
     rows: dict[int, Row] = {}

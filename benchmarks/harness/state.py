@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nexuskv.admission import block_gains
 from nexuskv.contracts.kv_events import KvEventBatch, PublisherIdentity
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import extent_bytes, extent_pages
@@ -30,19 +31,23 @@ from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
+from nexuskv.profiles import shipped_cost_model
 
-from benchmarks.harness.caches import LruTier, Publisher
+from benchmarks.harness.caches import LruTier, Publisher, Uses, UtilityTier
 from benchmarks.harness.cluster import STORE, ClusterSpec
 from benchmarks.harness.paths import Choice, ExecMode, Outcome, Place
 from benchmarks.harness.timeline import DecodeLoad, Engine, Job, Links
 from benchmarks.harness.truth import Noise, TrueCosts
 
-__all__ = ["TIER_SETS", "IDENTITIES", "Admission", "ClusterState"]
+__all__ = ["TIER_SETS", "IDENTITIES", "EVICTIONS", "Admission", "ClusterState"]
 
 #: Which tiers a run's data plane has: none (caching off), the engines' GPU caches only, or all.
 TIER_SETS = ("none", "gpu", "all")
 #: How the index keys state: by the full identity (tenant, adapter, model, ...) or by tokens alone.
 IDENTITIES = ("full", "tokens")
+#: How the host, disk and store tiers evict and admit: LRU (everything admitted) or by utility per
+#: byte (caches.UtilityTier, what NexusKV's tier manager does). The GPU cache is the engine's LRU.
+EVICTIONS = ("lru", "utility")
 SHARED_TENANT = "harness"
 _EPS = 1e-12
 
@@ -87,10 +92,38 @@ class Admission:
         return self._lookup
 
 
+def _prompt_value(spec: ClusterSpec) -> Callable[[int], dict[Tier, float]]:
+    """Per prompt length in blocks, the EG per tier of one of its blocks (the prompt's mean), by the
+    believed (shipped) cost model: what a tier manager values a block at when it is saved."""
+    model = shipped_cost_model()
+    compute = model.compute_for(spec.model, spec.profile)
+    links = {t: model.link(spec.profile, t, Tier.GPU) for t in (Tier.HOST, Tier.DISK, Tier.REMOTE)}
+    links = {t: lk for t, lk in links.items() if lk is not None}
+    per_block = [block_gains(compute, links, block_tokens=spec.block_tokens, position=0, nbytes=spec.block_bytes)]
+    cumulative = [dict(per_block[0])]
+    cache: dict[int, dict[Tier, float]] = {}
+
+    def value(blocks: int) -> dict[Tier, float]:
+        blocks = max(1, blocks)
+        hit = cache.get(blocks)
+        if hit is not None:
+            return hit
+        while len(cumulative) < blocks:
+            g = block_gains(compute, links, block_tokens=spec.block_tokens, position=len(cumulative),
+                            nbytes=spec.block_bytes)
+            cumulative.append({t: cumulative[-1][t] + g[t] for t in g})
+        out = cache[blocks] = {t: v / blocks for t, v in cumulative[blocks - 1].items()}
+        return out
+    return value
+
+
 class ClusterState:
     """Ground truth, index and event schedule of one simulated run."""
 
-    def __init__(self, spec: ClusterSpec, truth: TrueCosts, *, tiers: str, identity: str, layerwise: bool) -> None:
+    def __init__(self, spec: ClusterSpec, truth: TrueCosts, *, tiers: str, identity: str, layerwise: bool,
+                 eviction: str = "lru", tier_admission: bool = True, half_life_s: float = 120.0) -> None:
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction: {eviction!r} is not one of {EVICTIONS}")
         if tiers not in TIER_SETS:
             raise ValueError(f"tiers: {tiers!r} is not one of {TIER_SETS}")
         if identity not in IDENTITIES:
@@ -112,18 +145,29 @@ class ClusterState:
         cap, bt = spec.capacity, self.block_tokens
         self.publishers: dict[str, Publisher] = {}
         self.places: dict[Place, LruTier] = {}
+        self.eviction = eviction
+        utility = eviction == "utility"
+        value = _prompt_value(spec) if utility else None
+
+        def tier(t: Tier, capacity: int, uses: Uses | None) -> LruTier:
+            if uses is None:
+                return LruTier(t, capacity)
+            return UtilityTier(t, capacity, uses, admit_all=not tier_admission)
+
         if tiers != "none":
             for w in self.workers:
-                levels = [LruTier(Tier.GPU, cap.gpu_tokens // bt)]
+                uses = Uses(half_life_s) if utility else None
+                levels = [LruTier(Tier.GPU, cap.gpu_tokens // bt)]  # the engine's own cache
                 if tiers == "all":
-                    levels += [LruTier(Tier.HOST, cap.host_tokens // bt), LruTier(Tier.DISK, cap.disk_tokens // bt)]
+                    levels += [tier(Tier.HOST, cap.host_tokens // bt, uses), tier(Tier.DISK, cap.disk_tokens // bt, uses)]
                 levels = [t for t in levels if t.capacity > 0]
-                self.publishers[w] = Publisher(w, levels, ident, bt)
+                self.publishers[w] = Publisher(w, levels, ident, bt, uses=uses, value=value)
                 for t in levels:
                     self.places[Place(w, t.tier)] = t
             if tiers == "all" and cap.remote_tokens > 0:
-                store = LruTier(Tier.REMOTE, cap.remote_tokens // bt)
-                self.publishers[STORE] = Publisher(STORE, [store], ident, bt)
+                uses = Uses(half_life_s) if utility else None
+                store = tier(Tier.REMOTE, cap.remote_tokens // bt, uses)
+                self.publishers[STORE] = Publisher(STORE, [store], ident, bt, uses=uses, value=value)
                 self.places[Place(STORE, Tier.REMOTE)] = store
         self.index = GlobalIndex()
         self._pending: deque[tuple[float, float, KvEventBatch]] = deque()  # (due, published, batch)
@@ -375,12 +419,12 @@ class ClusterState:
         # What the request uses is most recently used from now on (pinned, in effect, until consumed).
         gpu = self.places.get(Place(w, Tier.GPU))
         if gpu is not None and o.reused_blocks:
-            gpu.touch(adm.keys[:min(o.reused_blocks, adm.prefixes.get(Place(w, Tier.GPU), 0))])
+            gpu.touch(adm.keys[:min(o.reused_blocks, adm.prefixes.get(Place(w, Tier.GPU), 0))], adm.now)
         mv = choice.move
         if mv is not None and o.copy_status == "completed":
             src = self.places.get(mv.source)
             if src is not None:
-                src.touch(adm.keys[mv.start:mv.end])
+                src.touch(adm.keys[mv.start:mv.end], adm.now)
 
     def _started(self, adm: Admission, w: str, o: Outcome, start: float,
                  done: Callable[[Outcome], None] | None) -> None:

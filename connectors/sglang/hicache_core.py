@@ -52,8 +52,13 @@ reads only what the index vouches for, verifies the payload's checksum and addre
 (None) when the payload is gone or wrong — never returns stale data; a page of its own found
 missing or corrupt is removed from the index.
 
-**Eviction.** The tier holds at most its capacity; a ``set`` that does not fit evicts this
-backend's least recently used pages first (each a ``removed`` event).
+**Capacity.** A host or disk tier of the backend belongs to its
+:class:`~nexuskv.dataplane.tiers.TierManager`: a ``set`` into a full tier makes room by utility
+(expected gain per byte: a page read again is worth more than one never read since) and is
+refused only when everything it would displace is worth more (``stats["set_refused"]``, never a
+silent failure); what leaves is a ``removed`` event, what enters a ``stored`` one, both under
+this backend's publisher. The shared remote tier's capacity is the store's: a full store refuses
+the write (``set_failed``). SGLang's own LRU of its host pool is untouched.
 """
 
 from __future__ import annotations
@@ -62,13 +67,13 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from connectors.descriptors import publisher_identity
+from nexuskv.admission import block_gains
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from nexuskv.contracts.plans import WorkerLoad
@@ -77,9 +82,11 @@ from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.disk import payload_file, stored_header
 from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.tier_facts import BlockIdentity, TierFacts, event_hash
+from nexuskv.dataplane.tiers import SaveBlock, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.errors import DataPlaneError, IntegrityError, TierFullError
+from nexuskv.errors import DataPlaneError, IntegrityError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LocationMatch, LookupResult
 from nexuskv.planner import PlanQuery, plan
@@ -182,18 +189,25 @@ class HiCacheCore:
         self._keyer = BlockKeyer(self.scope, PAGE_WORDS, secret)
         self._identity = publisher_identity(descriptor)
         self._incarnation = incarnation if incarnation is not None else time.time_ns()
-        self._seq = 0
         self._lock = threading.RLock()
-        self._own: OrderedDict[int, str] = OrderedDict()  # canonical page key -> SGLang key, LRU first
+        # One publisher, one sequence: the tier manager's changes and this backend's own events.
+        self._facts = TierFacts(worker, lambda batch: self.publish(batch), identity=self._identity,
+                                incarnation=self._incarnation, clock=clock)
+        where = EntryLocation(worker=worker, tier=tier)
+        managed = any(not b.capabilities.shared for b in catalog.reachable(where))
+        self.tiers: TierManager | None = TierManager(catalog, facts=self._facts, clock=clock,
+                                                     gains=self._page_gains) if managed else None
+        self._remote_own: set[int] = set()  # pages this backend wrote to the shared remote tier
         # (dtype, shape) of a page, for ``get`` without a target: from the host pool, else the first set
         self._layout = layout
         self._max_prefetch_pages: int | None = None
         self._runs: dict[int, list[int]] = {}  # thread -> canonical keys of its batched query so far
         self._warned = False
         self._shared = any(b.capabilities.shared for b in catalog.reachable(EntryLocation(worker=worker, tier=tier)))
-        self.stats = {"set": 0, "set_failed": 0, "hits": 0, "misses": 0, "stale_or_missing": 0, "evicted": 0,
-                      "gated_by_planner": 0, "answered_ahead": 0}
-        self._emit([AllCleared()])  # a new incarnation starts with no facts (and resyncs the publisher)
+        self.stats = {"set": 0, "set_failed": 0, "set_refused": 0, "hits": 0, "misses": 0, "stale_or_missing": 0,
+                      "evicted": 0, "gated_by_planner": 0, "answered_ahead": 0}
+        self._facts.start(self._identity)  # a new incarnation starts with no facts (and resyncs the publisher)
+        self._facts.flush()
 
     # -- naming -------------------------------------------------------------------------------------
 
@@ -214,11 +228,23 @@ class HiCacheCore:
     def _emit(self, events: list[KvEvent]) -> None:
         if not events:
             return
-        with self._lock:
-            batch = KvEventBatch(publisher=self.worker, incarnation=self._incarnation, seq=self._seq,
-                                 ts=self.clock(), identity=self._identity, events=tuple(events))
-            self._seq += 1
-            self.publish(batch)
+        self._facts.queue(events, self._identity)
+        self._facts.flush()
+
+    def _page_gains(self, key: PayloadKey, position: int, nbytes: int) -> Mapping[Tier, float]:
+        """EG of reusing one page from each of this backend's managed tiers (its own position unknown:
+        SGLang names pages by hash), by the current cost model."""
+        d = self.descriptor
+        model = self.model()
+        profile = self.profile or self.execution().planner.default_hardware_profile
+        tiers = [b.capabilities.tier for b in (self.tiers.backends() if self.tiers is not None else ())]
+        links = {t: (None if t is Tier.GPU else model.link(profile, t, Tier.GPU)) for t in tiers}
+        usable = {t: lk for t, lk in links.items() if t is Tier.GPU or lk is not None}
+        return block_gains(model.compute_for(d.model, profile), usable, block_tokens=d.block_size, position=position,
+                           nbytes=nbytes)
+
+    def _identity_of(self, key: str) -> BlockIdentity:
+        return BlockIdentity(self._identity, tuple(page_words(key)), PAGE_WORDS, cache_salt=PAGE_SCOPE_SALT)
 
     def _readable(self, location: EntryLocation) -> bool:
         return location.tier is self.tier and (location.worker in (self.worker, self.owner) or self._shared)
@@ -358,9 +384,8 @@ class HiCacheCore:
             backend.read_verified(pk, buf)
         except (DataPlaneError, ValueError) as exc:
             return self._stale(key, canonical, holder, str(exc))
-        with self._lock:
-            if canonical in self._own:
-                self._own.move_to_end(canonical)
+        if self.tiers is not None:
+            self.tiers.touch([pk])  # a hit: worth more in the tier than a page never read again
         self.stats["hits"] += 1
         if target is not None:
             return target
@@ -385,87 +410,78 @@ class HiCacheCore:
 
     def set_many(self, pages: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
         """Store pages; one ``stored`` batch announces those that were stored."""
+        datas = []
+        for _key, value in pages:
+            datas.append(value.detach().contiguous().view(-1).view(torch.uint8).cpu())
+            if self._layout is None:
+                self._layout = (value.dtype, tuple(value.shape))
+        if self.tiers is not None:
+            blocks = [SaveBlock(self._payload_key(self.canonical(key)), data, self._identity_of(key), position=0)
+                      for (key, _value), data in zip(pages, datas)]
+            out = self.tiers.save(blocks, self.tier, tenant=self.descriptor.tenant_namespace)
+            held = set(out.held)
+            self.stats["set"] += out.saved + out.already
+            self.stats["set_refused"] += out.refused
+            self.stats["set_failed"] += out.failed
+            self.stats["evicted"] = self.tiers.counters["dropped"]
+            if out.refused or out.failed:
+                log.info("%d of %d pages not stored on %s: %s", out.refused + out.failed, len(blocks),
+                         self.tier.value, "; ".join(out.reasons[:2]))
+            return [b.key in held for b in blocks]
         results: list[bool] = []
         stored: list[KvEvent] = []
-        for key, value in pages:
-            ok = self._store(key, value)
+        for (key, _value), data in zip(pages, datas):
+            canonical = self.canonical(key)
+            ok = self._store_shared(canonical, data)
             results.append(ok)
             if ok:
-                stored.append(BlockStored(engine_hashes=(page_event_hash(key),), token_ids=tuple(page_words(key)),
+                stored.append(BlockStored(engine_hashes=(event_hash(canonical),), token_ids=tuple(page_words(key)),
                                           block_size=PAGE_WORDS, tier=self.tier, cache_salt=PAGE_SCOPE_SALT))
         self._emit(stored)
         return results
 
-    def _store(self, key: str, value: torch.Tensor) -> bool:
-        canonical = self.canonical(key)
+    def _store_shared(self, canonical: int, data: torch.Tensor) -> bool:
+        """Write one page to the shared remote tier (its capacity is the store's)."""
         pk = self._payload_key(canonical)
-        data = value.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        if self._layout is None:
-            self._layout = (value.dtype, tuple(value.shape))
         header = PayloadHeader.for_data(pk, host_view(data))
-        where = EntryLocation(worker=self.worker, tier=self.tier)
-        backend = self.catalog.destination_for(where, header.nbytes)
+        backend = self.catalog.destination_for(EntryLocation(worker=self.worker, tier=self.tier), header.nbytes)
         if backend is None:
             self.stats["set_failed"] += 1
             return False
-        for _attempt in range(2):
-            try:
-                backend.put(header, data)
-                break
-            except TierFullError:
-                if not self._evict(header.nbytes, backend.free_bytes()):
-                    self.stats["set_failed"] += 1
-                    return False
-            except DataPlaneError as exc:
-                log.warning("page write failed: %s", exc)
-                self.stats["set_failed"] += 1
-                return False
-        else:
+        try:
+            backend.put(header, data)
+        except DataPlaneError as exc:  # a full store refuses (TierFullError), with nothing stored
+            log.warning("page write failed: %s", exc)
             self.stats["set_failed"] += 1
             return False
         with self._lock:
-            self._own[canonical] = key
-            self._own.move_to_end(canonical)
+            self._remote_own.add(canonical)
         self.stats["set"] += 1
         return True
-
-    def _evict(self, need: int, free: int) -> bool:
-        """Drop this backend's least recently used pages until ``need`` bytes are free."""
-        victims: list[tuple[int, str]] = []
-        with self._lock:
-            for canonical, key in self._own.items():
-                if free >= need:
-                    break
-                victims.append((canonical, key))
-                header = self._header(canonical)
-                free += header.nbytes if header is not None else 0
-        for canonical, key in victims:
-            self._forget(key, canonical)
-            self.stats["evicted"] += 1
-        return free >= need and bool(victims)
-
-    def _header(self, canonical: int) -> PayloadHeader | None:
-        pk = self._payload_key(canonical)
-        backend = self.catalog.source_for(EntryLocation(worker=self.worker, tier=self.tier), pk)
-        return backend.header(pk) if backend is not None else None
 
     # -- delete, clear ----------------------------------------------------------------------------
 
     def delete(self, key: str) -> bool:
         """Remove one of this backend's pages (payload and fact); False when it holds no such page."""
         canonical = self.canonical(key)
+        pk = self._payload_key(canonical)
+        if self.tiers is not None:
+            return self.tiers.lost([pk], self.tier) > 0
         with self._lock:
-            if canonical not in self._own:
+            if canonical not in self._remote_own:
                 return False
         self._forget(key, canonical)
         return True
 
     def _forget(self, key: str, canonical: int) -> None:
-        """Delete one of this backend's pages, payload and fact."""
+        """Delete one of this backend's pages, payload and fact (one found missing or corrupt)."""
+        if self.tiers is not None:
+            self.tiers.lost([self._payload_key(canonical)], self.tier)
+            return
         with self._lock:
-            self._own.pop(canonical, None)
+            self._remote_own.discard(canonical)
         self._delete_payload(canonical)
-        self._emit([BlockRemoved(engine_hashes=(page_event_hash(key),), tier=self.tier)])
+        self._emit([BlockRemoved(engine_hashes=(event_hash(canonical),), tier=self.tier)])
 
     def _delete_payload(self, canonical: int) -> None:
         pk = self._payload_key(canonical)
@@ -477,15 +493,20 @@ class HiCacheCore:
 
     def clear(self) -> None:
         """Drop every page this backend stored, and its facts."""
-        with self._lock:
-            own, self._own = list(self._own), OrderedDict()
-        for canonical in own:
-            self._delete_payload(canonical)
+        if self.tiers is not None:
+            self.tiers.lost(self.tiers.keys(self.tier), self.tier)
+        else:
+            with self._lock:
+                own, self._remote_own = list(self._remote_own), set()
+            for canonical in own:
+                self._delete_payload(canonical)
         self._emit([AllCleared(tier=self.tier)])
 
     def pages(self) -> int:
+        if self.tiers is not None:
+            return len(self.tiers.keys(self.tier))
         with self._lock:
-            return len(self._own)
+            return len(self._remote_own)
 
 
 def folder_of(data_dir: Path | str, worker: str) -> Path:

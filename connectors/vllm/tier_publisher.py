@@ -103,6 +103,7 @@ class TierPublisher:
         self._incarnation = 0
         self._seq = 0
         self._announced: set[int] = set()
+        self.reannounced: tuple[TierBlock, ...] = ()
         self._broken = False  # a batch may not have arrived: the next call resyncs with a new snapshot
         self.stats = {"reannounced": 0, "dropped_at_start": 0, "announced": 0, "removed": 0, "resyncs": 0}
 
@@ -131,6 +132,7 @@ class TierPublisher:
         for i in range(0, len(events), _BATCH_EVENTS):
             self._emit(events[i:i + _BATCH_EVENTS])
         self._announced = {b.key for b in blocks}
+        self.reannounced = tuple(blocks)  # the tier's tier manager adopts them (nothing is announced twice)
         self.stats["reannounced"] = len(blocks)
         log.info("%s: incarnation %d re-announced %d blocks the tier still holds (%d manifest entries dropped)",
                  self.name, self._incarnation, len(blocks), self.stats["dropped_at_start"])

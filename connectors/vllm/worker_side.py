@@ -21,9 +21,15 @@ it before the forward pass of a step with synchronous loads); asynchronous ones 
 
 **Saves.** ``wait_for_save`` (after the step's forward pass) copies the step's filled blocks out
 of the paged KV into host memory at once — vLLM may reuse a block as soon as its request ends —
-and a worker thread checks the tier, writes what it does not hold yet and has the tier's
-:class:`~connectors.vllm.tier_publisher.TierPublisher` announce them. A block the tier already
-holds and has announced is neither written nor announced again.
+and a worker thread saves them through the worker's
+:class:`~nexuskv.dataplane.tiers.TierManager`, the capacity authority of its disk tier: a full
+tier makes room by utility (this worker's least valuable blocks leave, prefix parents after the
+blocks chained from them) and refuses only what is worth less than everything it would
+displace; a refusal is counted (``blocks_refused``) and logged once per save, never silent. What
+the manager admits or evicts, the tier's
+:class:`~connectors.vllm.tier_publisher.TierPublisher` announces (manifest and all; its snapshot
+at start is what the manager adopts). A block the tier already holds is neither written nor
+announced again; one the manager believed held but the tier lost is forgotten, then written.
 
 **Measurements.** At registration: the device's GEMM rate, and a read probe of the save tier
 (the cold-start cost model's anchors). Each step: its duration from ``bind`` to ``wait_for_save``
@@ -50,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from connectors.descriptors import publisher_identity
 from connectors.vllm.meta import ConnectorMeta, CopyTiming, LoadSpec, PrefillTiming, SaveSpec, WorkerReport
 from connectors.vllm.scheduler_side import check_descriptor
 from connectors.vllm.tier_publisher import TierBlock, TierPublisher
@@ -57,6 +64,8 @@ from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
+from nexuskv.dataplane.tier_facts import BlockIdentity, TierChange
+from nexuskv.dataplane.tiers import SaveBlock, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ConfigError, DataPlaneError, TierUnavailableError
@@ -139,18 +148,72 @@ class _Outcome:
     seconds: float = 0.0
 
 
+class PublisherSink:
+    """A tier manager's changes, announced by the tier's :class:`TierPublisher` (one tier: no moves).
+
+    Changes are applied in order under the manager's lock and announced in that order by
+    :meth:`flush` (one flush at a time), so a removal never overtakes the store it undoes.
+    """
+
+    def __init__(self, publisher: TierPublisher) -> None:
+        self.publisher = publisher
+        self._pending: list[TierChange] = []
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self.unchained = 0
+
+    def apply(self, changes: Sequence[TierChange]) -> None:
+        with self._lock:
+            self._pending.extend(c for c in changes if c.tier is self.publisher.tier)
+
+    def flush(self) -> int:
+        with self._flush_lock:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            i = 0
+            while i < len(pending):
+                kind = pending[i].kind
+                j = i + 1
+                while j < len(pending) and pending[j].kind == kind:
+                    j += 1
+                run = pending[i:j]
+                if kind == "removed":
+                    self.publisher.forget([c.key.key for c in run])
+                elif kind in ("stored", "moved"):
+                    blocks = [TierBlock(c.key.key, c.identity.parent, c.identity.tokens) for c in run]
+                    for start in range(len(blocks)):  # one announce per chained run
+                        if start == 0 or blocks[start].parent != blocks[start - 1].key:
+                            end = next((e for e in range(start + 1, len(blocks))
+                                        if blocks[e].parent != blocks[e - 1].key), len(blocks))
+                            if not self.publisher.announce(blocks[start:end]):
+                                self.unchained += end - start
+                i = j
+            return len(pending)
+
+
 class WorkerSide:
     """The worker-side half; one per model runner. Thread-safe for vLLM's calling pattern."""
 
     def __init__(self, descriptor: StateDescriptor, catalog: BackendCatalog, *, held: Held | None = None,
                  publisher: TierPublisher | None = None, observe: Callable[[ObservationRecord], None] | None = None,
                  model: str | None = None, profile: str = "", threads: int = 2, measure: bool = True,
-                 clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
+                 tiers: TierManager | None = None) -> None:
         check_descriptor(descriptor)
         self.descriptor = descriptor
         self.catalog = catalog
         self.held = held or tier_held(catalog, None)
         self.publisher = publisher
+        self._identity = publisher_identity(descriptor)
+        if tiers is None and publisher is not None:
+            tiers = TierManager(catalog, facts=PublisherSink(publisher), clock=wall)
+            bs = descriptor.block_size
+            adopted = tiers.adopt([(PayloadKey(descriptor.descriptor_id, b.key, descriptor.layer_groups[0].kv_group),
+                                    BlockIdentity(self._identity, b.tokens, bs, parent=b.parent), 0)
+                                   for b in publisher.reannounced], tenant=descriptor.tenant_namespace)
+            log.info("%s: the tier manager adopted %d re-announced blocks", publisher.name, adopted)
+        self.tiers = tiers
+        self._ticked = 0.0
         self.observe = observe
         self.model = model or descriptor.model
         self.profile = profile
@@ -169,7 +232,8 @@ class WorkerSide:
         self._step_load_s = 0.0
         self._cuda = torch.cuda.is_available()
         self.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "blocks_already_held": 0,
-                      "blocks_unchained": 0, "bytes_loaded": 0, "bytes_saved": 0, "prefill_timings": 0}
+                      "blocks_unchained": 0, "blocks_refused": 0, "bytes_loaded": 0, "bytes_saved": 0,
+                      "prefill_timings": 0}
 
     # -- registration --------------------------------------------------------------------------
 
@@ -377,8 +441,13 @@ class WorkerSide:
                         len(outcome.failed_block_ids), outcome.reason)
             publisher = self.publisher
             if publisher is not None and outcome.source is publisher.tier and outcome.failed_keys:
-                try:
-                    publisher.forget(outcome.failed_keys[:1])  # the first is missing or corrupt; the rest unknown
+                try:  # the first is missing or corrupt; the rest unknown
+                    if self.tiers is not None:
+                        lost = [PayloadKey(self.descriptor.descriptor_id, outcome.failed_keys[0], self._group)]
+                        if not self.tiers.lost(lost, publisher.tier):
+                            publisher.forget(outcome.failed_keys[:1])
+                    else:
+                        publisher.forget(outcome.failed_keys[:1])
                 except Exception as exc:  # noqa: BLE001 - a lost removal leaves a miss, never a wrong load
                     log.warning("could not announce the removal: %s", exc)
         if outcome.source is not None and (outcome.done or outcome.failed_block_ids):
@@ -409,6 +478,9 @@ class WorkerSide:
             log.warning("request %s: cannot check the %s tier: %s", spec.request_id, spec.tier.value, exc)
             return 0
         bs = self.descriptor.block_size
+        tiers = self.tiers
+        if tiers is not None and any(b.capabilities.tier is spec.tier for b in tiers.backends()):
+            return self._save_managed(spec, copies, pks, held, tiers, t0)
         publisher = self.publisher
         run: list[TierBlock] = []
         written = 0
@@ -441,6 +513,37 @@ class WorkerSide:
         if written:
             self._copied(CopyTiming(Tier.GPU, spec.tier, written, self.clock() - t0), request_id=spec.request_id)
         return written
+
+    def _save_managed(self, spec: SaveSpec, copies: Sequence[torch.Tensor], pks: list[PayloadKey],
+                      held: list[bool], tiers: TierManager, t0: float) -> int:
+        """Save through the tier manager: admitted by utility, announced by the tier's publisher."""
+        bs = self.descriptor.block_size
+        now = self.wall()
+        if now - self._ticked >= 1.0:  # pins and leases lapse, garbage goes (at most once a second)
+            self._ticked = now
+            tiers.tick()
+        lost = [pk for pk, ok in zip(pks, held) if not ok and tiers.holds(pk, spec.tier)]
+        if lost:  # deleted behind the manager's back: forget them, then write them again
+            tiers.lost(lost, spec.tier)
+        blocks, parent = [], spec.parent
+        for i, (pk, data) in enumerate(zip(pks, copies)):
+            tokens = tuple(spec.token_ids[i * bs:(i + 1) * bs])
+            blocks.append(SaveBlock(pk, data, BlockIdentity(self._identity, tokens, bs, parent=parent),
+                                    position=spec.first_block + i))
+            parent = pk.key
+        out = tiers.save(blocks, spec.tier, tenant=self.descriptor.tenant_namespace)
+        if out.refused or out.failed:
+            log.warning("request %s: %d of %d blocks not saved to %s (%d refused, %d failed): %s", spec.request_id,
+                        out.refused + out.failed, len(blocks), spec.tier.value, out.refused, out.failed,
+                        "; ".join(out.reasons[:2]))
+        with self._lock:
+            self.stats["blocks_saved"] += out.saved
+            self.stats["blocks_already_held"] += out.already
+            self.stats["blocks_refused"] += out.refused
+            self.stats["bytes_saved"] += out.nbytes
+        if out.saved:
+            self._copied(CopyTiming(Tier.GPU, spec.tier, out.saved, self.clock() - t0), request_id=spec.request_id)
+        return out.saved
 
     def _announce(self, run: list[TierBlock], spec: SaveSpec) -> None:
         if self.publisher is None:

@@ -20,7 +20,6 @@ from nexuskv.errors import ContractError, SchemaVersionError
 __all__ = ["MAX_PAYLOAD_BYTES", "encode", "decode", "decode_raw"]
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
-_SUPPORTED = 1
 
 
 def encode(topic: Topic, value: Contract) -> bytes:
@@ -51,8 +50,9 @@ def decode_raw(topic: Topic, raw: bytes) -> dict[str, Any]:
     if "schema_version" not in data:
         raise SchemaVersionError("schema_version is missing", path="schema_version")
     version = data["schema_version"]
-    if version != _SUPPORTED or isinstance(version, bool):
-        raise SchemaVersionError(f"schema_version {version!r} is not supported (this build reads {_SUPPORTED})",
+    if isinstance(version, bool) or version not in topic.versions:
+        readable = ", ".join(str(v) for v in topic.versions)
+        raise SchemaVersionError(f"schema_version {version!r} is not supported (this build reads {readable})",
                                  path="schema_version")
     return data
 

@@ -15,13 +15,17 @@ nexuskv.transfers           destination worker           transfer commands with 
 nexuskv.transfer-results    request id                   completion, timing, failure
 nexuskv.cost-models         cost-model entry id          fitted entries, each a complete posterior;
                                                          compacted: the latest per key is the model
+nexuskv.tier-state          worker/tier                  a managed tier's usage and displacement
+                                                         price; compacted: the latest per key
 nexuskv.dead-letter         source topic                 rejected inputs with the reason
 =========================== ============================ ==========================================
 
 Producers and consumers: engines and bridges produce kv-events and observations; the index
 consumes kv-events; the calibration agent consumes observations and produces cost-models; the
 planner service consumes plan-requests, transfer-results and cost-models and produces decisions,
-placement and transfers; executors consume transfers (and cancel hints) and produce
+placement and transfers; tier managers consume placement hints (pins, prefetch reservations,
+demotions, evictions, cancels for their executor), produce kv-events for what their tiers hold and
+tier-state, which planners read as the displacement price; executors consume transfers and produce
 transfer-results and transfer observations; the analytics sink consumes decisions and outcomes.
 """
 
@@ -38,10 +42,11 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.placement import PlacementHint
 from nexuskv.contracts.plans import PlanRequest
+from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 
 __all__ = ["Topic", "TOPICS", "KV_EVENTS", "OBSERVATIONS", "PLAN_REQUESTS", "DECISIONS",
-           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "DEAD_LETTER", "topic_named"]
+           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "TIER_STATE", "DEAD_LETTER", "topic_named"]
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -54,6 +59,7 @@ class Topic:
     encoding: Literal["msgpack", "json"]
     doc: str
     config: dict[str, str] = field(default_factory=dict)  # topic-level Kafka configs
+    versions: tuple[int, ...] = (1,)  # payload schema versions this build reads
 
 
 KV_EVENTS = Topic(
@@ -71,7 +77,7 @@ PLAN_REQUESTS = Topic(
 DECISIONS = Topic("nexuskv.decisions", "request id", Decision, "json", "decision records")
 PLACEMENT = Topic(
     "nexuskv.placement", "tenant namespace and prefix root", PlacementHint, "json",
-    "routing and placement hints for routers",
+    "routing and placement hints for routers, tier managers and executors", versions=(1, 2),
 )
 TRANSFERS = Topic(
     "nexuskv.transfers", "destination worker", TransferCommand, "json", "transfer commands with deadline",
@@ -84,6 +90,11 @@ COST_MODELS = Topic(
     "fitted cost-model entries (compute and link), each a complete posterior; latest per key wins",
     {"cleanup.policy": "compact"},
 )
+TIER_STATE = Topic(
+    "nexuskv.tier-state", "worker/tier", TierStateRecord, "json",
+    "each managed tier's usage and displacement price; latest per key wins",
+    {"cleanup.policy": "compact"},
+)
 DEAD_LETTER = Topic(
     "nexuskv.dead-letter", "source topic", DeadLetter, "json", "rejected inputs with the reason",
     {"retention.ms": str(30 * DAY_MS)},
@@ -91,7 +102,7 @@ DEAD_LETTER = Topic(
 
 TOPICS: tuple[Topic, ...] = (
     KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, COST_MODELS,
-    DEAD_LETTER,
+    TIER_STATE, DEAD_LETTER,
 )
 
 

@@ -35,6 +35,15 @@ device tier's host-memory stand-in).
 
 Deadlines, result timestamps and the observation's ``observed_at`` use the injected ``clock``
 (seconds since the epoch); durations use ``time.perf_counter``.
+
+With a :class:`~nexuskv.dataplane.tiers.TierManager` (``tiers``), the destination's room comes
+from it instead of a bare reservation: a copy into a managed tier is admitted by utility (evicting
+or demoting cheaper state; ``rejected_capacity`` with the manager's reason when what is there is
+worth more, pinned or in use), a queued prefetch holds its room from the moment it is submitted,
+the blocks a transfer reads are never evicted while it reads them, and what landed is handed to
+the manager (which announces it when it knows the blocks' identity). A cancel for a transfer that
+has not arrived yet is remembered (the last 4,096), so a command that arrives after its cancel
+is answered ``cancelled`` at once.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +64,7 @@ from nexuskv.contracts.transfers import TransferCommand, TransferResult, Transfe
 from nexuskv.dataplane.backend import Reservation, TierBackend, host_view
 from nexuskv.dataplane.catalog import BackendCatalog, SelectionPolicy
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey, verify_payload
+from nexuskv.dataplane.tiers import TierManager
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
 
 __all__ = ["TransferExecutor", "TransferOutcome"]
@@ -113,13 +124,17 @@ class TransferExecutor:
     """
 
     def __init__(self, catalog: BackendCatalog, *, clock: Callable[[], float] = time.time, lanes: int = 2,
-                 jobs: int = 2, policy: SelectionPolicy | None = None) -> None:
+                 jobs: int = 2, policy: SelectionPolicy | None = None, tiers: TierManager | None = None) -> None:
         if lanes < 1 or jobs < 1:
             raise ValueError("lanes and jobs: at least 1 each")
+        if tiers is not None and tiers.catalog is not catalog:
+            raise ValueError("tiers: the tier manager must own this executor's catalog")
         self.catalog = catalog
         self.clock = clock
         self.lanes = lanes
         self.policy = policy
+        self.tiers = tiers
+        self._cancelled: OrderedDict[str, str] = OrderedDict()  # cancels that came before their command
         self._lane_pool = ThreadPoolExecutor(max_workers=lanes - 1, thread_name_prefix="nkv-lane") if lanes > 1 else None
         self._queue: list[tuple[float, int, _Job]] = []
         self._order = itertools.count()
@@ -139,15 +154,38 @@ class TransferExecutor:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the transfer executor is closed")
+            early = self._cancelled.pop(command.transfer_id, None)
+            if early is not None:
+                job.reason = early
+                job.cancelled.set()
             self._jobs[command.transfer_id] = job
             heapq.heappush(self._queue, (command.deadline_at, next(self._order), job))
             self._cv.notify()
+        if early is None:
+            self._hold_room(command)
         return job.future
 
+    def _hold_room(self, command: TransferCommand) -> None:
+        """A queued copy into a managed tier holds its room until it runs (or its deadline)."""
+        tiers = self.tiers
+        if tiers is None or command.destination.worker != self.catalog.worker or command.bytes <= 0:
+            return
+        why = tiers.reserve(command.transfer_id, command.destination.tier, command.bytes,
+                            tenant=command.tenant_namespace, expires_at=command.deadline_at)
+        if why is not None:
+            log.info("transfer %s: no room held while it waits (%s)", command.transfer_id, why)
+
     def cancel(self, transfer_id: str, reason: str = "cancelled by request") -> bool:
-        """Cancel a queued or running transfer; False when none with that id is pending."""
+        """Cancel a queued or running transfer; False when none with that id is pending (then a
+        command with that id that arrives later is cancelled on arrival)."""
         with self._cv:
             job = self._jobs.get(transfer_id)
+            if job is None:
+                self._cancelled[transfer_id] = reason
+                while len(self._cancelled) > 4096:
+                    self._cancelled.popitem(last=False)
+        if self.tiers is not None:
+            self.tiers.release(transfer_id)  # room held for it while queued (not what a running copy uses)
         if job is None:
             return False
         job.reason = reason
@@ -188,6 +226,8 @@ class TransferExecutor:
                                                        error=f"executor error: {type(exc).__name__}: {exc}"))
             with self._cv:
                 self._jobs.pop(job.command.transfer_id, None)
+            if self.tiers is not None:
+                self.tiers.release(job.command.transfer_id)  # room it held while queued, if it never used it
             job.future.set_result(outcome)
 
     # -- execution --------------------------------------------------------------------------
@@ -222,8 +262,9 @@ class TransferExecutor:
 
         device = _device_of(src, dst)
         progress = _Progress(reservation=reservation)
+        reading = self.tiers.reading(src, src_keys) if self.tiers is not None else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with reservation:
+        with reservation, reading:
             self._copy(job, src, dst, todo, progress)
         duration = time.perf_counter() - t0
         failure = progress.failure
@@ -232,9 +273,13 @@ class TransferExecutor:
             failure = _Abort(TransferStatus.DEADLINE_EXCEEDED,
                              f"copy finished {finished - cmd.deadline_at:.3f}s after the deadline")
         if failure is not None:
-            self._rollback(dst, progress.committed)
+            self._rollback(cmd, dst, progress.committed)
             result = self._result(cmd, failure.status, started, error=failure.reason, device=device)
         else:
+            if self.tiers is not None:
+                sizes = {k: h.nbytes for k, h in todo}
+                self.tiers.landed(cmd.transfer_id, cmd.tenant_namespace, dst, progress.committed,
+                                  [sizes[k] for k in progress.committed], lease_until=cmd.deadline_at + self.tiers.lease_s)
             result = self._result(cmd, TransferStatus.COMPLETED, started, blocks=len(progress.committed),
                                   nbytes=progress.bytes, device=device)
         observation = None
@@ -271,6 +316,14 @@ class TransferExecutor:
             there = dst.headers(keys)
             todo = [(k, h) for k, h, t in zip(keys, headers, there) if t is None]
             needed = sum(h.nbytes for _, h in todo)
+            if self.tiers is not None and self.tiers.managed(dst):
+                reservation, why = self.tiers.admit_copy(cmd.transfer_id, cmd.tenant_namespace, dst,
+                                                         [(k, h.nbytes) for k, h in todo], expires_at=cmd.deadline_at)
+                if reservation is None:
+                    raise _Abort(TransferStatus.REJECTED_CAPACITY,
+                                 f"destination {dst.label} ({cmd.destination}) refused {needed} bytes for "
+                                 f"{len(todo)} blocks: {why}")
+                return src, dst, todo, reservation
             reservation = dst.reserve(needed)
             free = dst.free_bytes() if reservation is None else 0
         except TierUnavailableError as exc:
@@ -357,7 +410,10 @@ class TransferExecutor:
             dst.commit_view(header, data, reservation)
         return True
 
-    def _rollback(self, dst: TierBackend, committed: list[PayloadKey]) -> None:
+    def _rollback(self, cmd: TransferCommand, dst: TierBackend, committed: list[PayloadKey]) -> None:
+        if self.tiers is not None and self.tiers.managed(dst):
+            self.tiers.abandon_copy(cmd.transfer_id, dst, committed)
+            return
         for key in committed:
             try:
                 dst.delete(key)

@@ -120,10 +120,13 @@ def actions_of(query: PlanQuery, decision: Decision, chosen: Option,
     src = chosen.source
     if chosen.action in (Action.FULL_REUSE, Action.PARTIAL_REUSE, Action.ROUTE_TO_STATE) and src is not None:
         until = now + (decision.t_with_reuse_s or 0.0)
+        reused = query.keys[:chosen.reused_blocks]
         for g in block_groups(d):
             hints.append(PlacementHint(hint_id=f"{rid}/h{len(hints)}", request_id=rid, tenant_namespace=tenant,
                                        prefix_root=root, kind=HintKind.PIN, worker=src.worker, tier=src.tier, group=g,
-                                       blocks=chosen.reused_blocks, expires_at=until, issued_at=now,
+                                       blocks=chosen.reused_blocks, keys=reused,
+                                       bytes=_group_bytes(d, g, chosen.reused_blocks), descriptor_id=d.descriptor_id,
+                                       expires_at=until, issued_at=now,
                                        reason="keep the reused prefix until the request has consumed it"))
     elif chosen.action in (Action.TRANSFER, Action.PREFETCH) and src is not None:
         if chosen.contiguous:
@@ -146,13 +149,15 @@ def actions_of(query: PlanQuery, decision: Decision, chosen: Option,
                 backend=chosen.backend))
             hints.append(PlacementHint(hint_id=f"{rid}/h{len(hints)}", request_id=rid, tenant_namespace=tenant,
                                        prefix_root=root, kind=HintKind.PIN, worker=src.worker, tier=src.tier, group=g,
-                                       first_block=start, blocks=end - start, transfer_id=tid, expires_at=deadline,
+                                       first_block=start, blocks=end - start, keys=keys, bytes=group_bytes,
+                                       descriptor_id=d.descriptor_id, transfer_id=tid, expires_at=deadline,
                                        issued_at=now, reason="source of a transfer: keep until its deadline"))
             if kind is TransferKind.PREFETCH:
                 hints.append(PlacementHint(
                     hint_id=f"{rid}/h{len(hints)}", request_id=rid, tenant_namespace=tenant, prefix_root=root,
                     kind=HintKind.PREFETCH, worker=chosen.worker, tier=Tier.GPU, group=g, first_block=start,
-                    blocks=end - start, transfer_id=tid, expires_at=deadline, issued_at=now,
+                    blocks=end - start, keys=keys, bytes=group_bytes, descriptor_id=d.descriptor_id, transfer_id=tid,
+                    expires_at=deadline, issued_at=now,
                     reason="reserve room for a prefetch due before the request starts"))
     return tuple(hints), tuple(transfers)
 

@@ -40,8 +40,9 @@ SERVICES: tuple[Service, ...] = (
             "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
     Service("remote-tier", "streams.remote_tier",
             "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
-    Service("transfer-executor", "streams.transfer_executor",
-            "moves payloads between this worker's tiers on transfer commands; publishes results and timings"),
+    Service("tier-manager", "streams.tier_manager",
+            "owns this worker's tiers: admission and eviction by utility, pins, prefetch room, tier facts and "
+            "prices; runs the transfer executor on them (results and timings)"),
     Service("calibration", "streams.calibration_agent",
             "fits T_compute and per-link transfer costs from nexuskv.observations; publishes nexuskv.cost-models"),
     Service("planner", "streams.planner_service",

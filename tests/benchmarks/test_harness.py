@@ -371,6 +371,34 @@ def test_the_index_the_planner_reads_converges_to_the_simulated_truth():
 
 
 @pytest.mark.slow
+def test_utility_tiers_stay_within_capacity_and_the_index_follows_them():
+    seen = {}
+
+    def check(state: ClusterState) -> None:
+        facts = state.index.facts()
+        for place, tier in state.places.items():
+            held = {k for _scope, k in facts.get((place.worker, place.tier, 0), set())}
+            assert held == set(tier.blocks), place
+            assert len(tier.blocks) <= tier.capacity, place
+        stats = state.index.stats()
+        seen.update(unresolved=stats.unresolved_blocks, unknown=stats.unknown_removals,
+                    kinds={type(t).__name__ for t in state.places.values()},
+                    store=len(state.places[Place(STORE, Tier.REMOTE)].blocks))
+
+    pressed = ClusterSpec(workers=4, capacity=Capacity(gpu_tokens=131_072, host_tokens=65_536, disk_tokens=131_072,
+                                                       remote_tokens=262_144))
+    out = _run("nexuskv", _conversation(200), on_finish=check, spec=pressed)
+    assert len(out.rows) == 200
+    assert seen["unresolved"] == 0 and seen["unknown"] == 0
+    assert seen["kinds"] == {"LruTier", "UtilityTier"}  # the engine's GPU cache stays its own LRU
+    assert seen["store"] > 0
+    lru = {}
+    _run("no-eviction-utility", _conversation(200), spec=pressed,
+         on_finish=lambda st: lru.update(kinds={type(t).__name__ for t in st.places.values()}))
+    assert lru["kinds"] == {"LruTier"}
+
+
+@pytest.mark.slow
 def test_without_semantic_validation_state_crosses_tenants_and_adapters():
     wl = shapes_workload(requests=160, seed=2, rate_per_s=1.0, shapes=("system_prompt",), contexts=(8192,),
                          context_weights=(1,), reuse_points=(0.9, 1.0))

@@ -173,15 +173,24 @@ def test_batch_exists_is_gated_by_the_planner():
     assert unprofiled.batch_exists(KEYS) == 3  # no cost profile for the model: the index alone decides
 
 
-def test_a_full_tier_evicts_the_backends_least_recently_used_pages():
+def test_a_full_tier_makes_room_by_utility_and_refuses_what_is_worth_less():
     feed = _Index()
     nbytes = _page(0).numel() * 2
     core = _core(feed, "sglang-hicache/small", [HostMemoryBackend(2 * nbytes)])
     assert core.set(KEYS[0], _page(0)) and core.set(KEYS[1], _page(1))
-    assert core.get(KEYS[0]) is not None  # page 0 is now the most recently used
-    assert core.set(KEYS[2], _page(2))
+    assert core.get(KEYS[0]) is not None  # page 0 was read again: worth more than page 1
+    assert core.set(KEYS[2], _page(2))  # the tier is full: page 1, the cheapest, leaves
     assert [core.exists(k) for k in KEYS[:3]] == [True, False, True]
     assert core.stats["evicted"] == 1 and core.pages() == 2
+    for _ in range(3):  # both pages are read again and again
+        assert core.get(KEYS[0]) is not None and core.get(KEYS[2]) is not None
+    assert not core.set(KEYS[3], _page(3))  # a page never read is worth less than either: refused, and said
+    assert core.stats["set_refused"] == 1 and [core.exists(k) for k in (KEYS[0], KEYS[2], KEYS[3])] == [True, True,
+                                                                                                       False]
+    held = {k.key for k in core.catalog.backends[0].keys()}
+    facts = {key for (pub, tier, _g), members in feed.index.facts().items() if pub == core.worker
+             for _scope, key in members}
+    assert held == facts == {core.canonical(KEYS[0]), core.canonical(KEYS[2])}
 
 
 def test_a_batch_of_pages_is_announced_in_one_batch():

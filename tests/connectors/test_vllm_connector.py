@@ -48,8 +48,9 @@ class _World:
     """Runtimes of one deployment: a shared index, each worker's disk, an optional shared remote tier."""
 
     def __init__(self, name: str, tmp_path, *, remote: str | None = None, model=None, load_async: bool = False,
-                 save_tier: Tier = Tier.DISK, clock=None) -> None:
+                 save_tier: Tier = Tier.DISK, clock=None, disk_bytes: int = 1 << 24) -> None:
         self.name, self.tmp, self.remote = name, tmp_path, remote
+        self.disk_bytes = disk_bytes
         self.feed = IndexFeed()
         self.model = model
         self.load_async, self.save_tier, self.clock = load_async, save_tier, clock
@@ -60,7 +61,7 @@ class _World:
         rt = ReferenceEngine(SPECS[self.name], model=MODELS[self.name], worker=worker, publisher=self.feed,
                               incarnation=incarnation)
         root = self.tmp / worker / "disk"
-        backends = [DiskBackend(root, 1 << 24)]
+        backends = [DiskBackend(root, self.disk_bytes)]
         shared: frozenset[Tier] = frozenset()
         if self.remote is not None:
             backends.append(RemoteBackend(self.remote))
@@ -337,3 +338,24 @@ def test_a_resumed_request_asks_with_its_output_tokens(world):
     sched = engine.scheduler
     assert sched.num_new_matched_tokens("r2", PROMPT[:13], 0) == (12, False)
     assert sched.num_new_matched_tokens("r2", PROMPT, 0) == (24, False)  # keyed again, not a stale prefix
+
+
+def test_a_full_disk_tier_keeps_saving_and_the_index_follows_what_it_evicts(world):
+    w = world("gqa", disk_bytes=10 * 768 * 4)  # room for 10 blocks; every prompt brings 6 new ones
+    engine = w.engine("w-a")
+    disk = engine.worker.catalog.backends[0]
+    did = engine.runtime.descriptor.descriptor_id
+    name = tier_publisher_name(engine.runtime.publisher_id, Tier.DISK)
+    for i in range(8):
+        prompt = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+        served = engine.serve(f"r{i}", prompt)
+        assert served.saved_blocks == 6, i  # a full tier makes room: the saves go on
+        engine.runtime.reset()
+        assert disk.used_bytes() <= disk.capacity_bytes
+        held = {k.key for k in disk.keys()}
+        indexed = {key for (pub, tier, _g), members in w.feed.index.facts().items() if pub == name
+                   for _scope, key in members}
+        assert held == indexed, i  # what the manager evicted, the tier's publisher withdrew
+    assert engine.worker.tiers.counters["dropped"] >= 8 * 6 - 10
+    assert engine.worker.stats["blocks_refused"] == 0
+    assert all(k.descriptor_id == did for k in disk.keys())

@@ -7,11 +7,15 @@ import math
 import pytest
 
 from nexuskv.admission import (
+    EVICTION_POLICIES,
     EvictionKind,
+    Lru,
     Resident,
+    ReuseModel,
     TierBudget,
     TierState,
     admit,
+    block_gains,
     displacement_price,
     evict_for,
     eviction_order,
@@ -19,6 +23,7 @@ from nexuskv.admission import (
     utility,
 )
 from nexuskv.descriptor import Tier
+from nexuskv.profiles import shipped_cost_model
 
 NOW = 1000.0
 MB = 1 << 20
@@ -132,3 +137,65 @@ def test_residents_validate():
         res("x", nbytes=0)
     with pytest.raises(ValueError):
         res("x", p=1.5)
+
+
+# -- eviction policies, reserved room, state in use, prefix parents, the reuse model, block gains ----
+
+def test_busy_and_reserved_room_are_not_free():
+    state = TierState(TierBudget(Tier.GPU, 300 * MB), (res("a", gpu=0.1, busy=True), res("b", gpu=0.2)),
+                      reserved_bytes=100 * MB)
+    assert state.free_bytes == 0
+    assert [r.entry_id for r, _u in eviction_order(state, now=NOW)] == ["b"]  # the busy one never appears
+    a = admit(res("new", gpu=1.0), state, now=NOW)
+    assert a.admit and [e.entry_id for e in a.evictions] == ["b"]
+    assert not admit(res("new", nbytes=200 * MB, gpu=1.0), state, now=NOW).admit
+
+
+def test_a_prefix_parent_is_demoted_but_never_dropped():
+    parent = res("parent", gpu=0.01, host=0.01, anchored=True)
+    leaf = res("leaf", gpu=0.5)
+    state = gpu(200, parent, leaf)
+    to_host = admit(res("new", gpu=2.0), state, now=NOW, lower=host(1000))
+    assert [(e.entry_id, e.kind) for e in to_host.evictions] == [("parent", EvictionKind.DEMOTE)]
+    nowhere = admit(res("new", gpu=2.0), state, now=NOW)  # no tier below: the leaf goes instead
+    assert [(e.entry_id, e.kind) for e in nowhere.evictions] == [("leaf", EvictionKind.DROP)]
+
+
+def test_lru_evicts_the_least_recently_used_and_admits_everything():
+    old, recent = res("old", gpu=9.0, last_used=NOW - 50), res("recent", gpu=0.01, last_used=NOW - 1)
+    state = gpu(200, recent, old)
+    lru = Lru()
+    assert [r.entry_id for r, _ in eviction_order(state, now=NOW, policy=lru)] == ["old", "recent"]
+    a = admit(res("new", gpu=0.0), state, now=NOW, policy=lru)  # worth nothing: LRU takes it anyway
+    assert a.admit and [e.entry_id for e in a.evictions] == ["old"]
+    assert not admit(res("new", gpu=0.0), state, now=NOW).admit  # by utility it is refused
+    assert set(EVICTION_POLICIES) == {"utility", "lru"}
+
+
+def test_the_reuse_model_reads_a_decayed_use_count_as_a_poisson_rate():
+    m = ReuseModel(half_life_s=100.0)
+    once = m.used(0.0, NOW, NOW)
+    assert m.p_reuse(once, NOW, NOW) == pytest.approx(0.5)  # one use, horizon = half-life
+    assert m.p_reuse(once, NOW, NOW + 100) == pytest.approx(1 - math.exp(-0.5 * math.log(2)))
+    assert m.p_reuse(once, NOW, NOW + 10_000) < 1e-10  # a one-off decays to nothing
+    score, t = 0.0, NOW
+    for _ in range(50):  # used every 10 s: the score settles at rate * half-life / ln 2
+        score, t = m.used(score, t, t + 10.0), t + 10.0
+    assert m.decayed(score, t, t) == pytest.approx(0.1 * 100 / math.log(2), rel=0.05)
+    assert m.p_reuse(score, t, t) > 0.99
+    with pytest.raises(ValueError):
+        ReuseModel(half_life_s=0)
+
+
+def test_block_gains_are_recompute_minus_the_tiers_share_of_a_load():
+    model = shipped_cost_model()
+    compute = model.compute_for("meta-llama/Llama-3.1-8B", "h200x1-rdma4x200")
+    host = model.link("h200x1-rdma4x200", Tier.HOST, Tier.GPU)
+    g0 = block_gains(compute, {Tier.GPU: None, Tier.HOST: host}, block_tokens=16, position=0, nbytes=2 << 20)
+    g9 = block_gains(compute, {Tier.GPU: None, Tier.HOST: host}, block_tokens=16, position=9, nbytes=2 << 20)
+    c = compute.params.mean
+    assert g0[Tier.GPU] == pytest.approx(c[1] * 16 + c[2] * 16 * 16)  # in place: the whole compute
+    load = host.per_page_s + (2 << 20) * host.params.mean[2] + host.latency_s
+    assert g0[Tier.HOST] == pytest.approx(g0[Tier.GPU] - load)
+    assert g9[Tier.GPU] > g0[Tier.GPU]  # deeper: attention over a longer context
+    assert block_gains(None, {Tier.DISK: host}, block_tokens=16, position=0, nbytes=1) == {Tier.DISK: 1.0}

@@ -19,6 +19,7 @@ from nexuskv.contracts.observations import (
 )
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
+from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS
 from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
 from nexuskv.entries import EntryLocation
@@ -89,8 +90,15 @@ def samples():
     dead = DeadLetter(source_topic="nexuskv.kv-events", partition=3, offset=10, key=b"pub", payload=b"\x00\xffxyz",
                       payload_size=5, reason="undecodable", error_type="ContractError", service="index",
                       rejected_at=3.0)
-    return [batch, tiered, *obs, plan, plan_tokens, plan_described, decision, hint, cancel, cmd, ok, late, fit_c,
-            fit_l, dead]
+    pin = PlacementHint(hint_id="h3", request_id="r1", tenant_namespace="tenant-a", kind=HintKind.PIN, worker="w-a",
+                        tier="host", first_block=0, blocks=2, keys=(1, 2**128 - 1), bytes=8192, descriptor_id="sd1-x",
+                        transfer_id="t1", expires_at=3.0, issued_at=2.0, reason="source of a transfer")
+    state = TierStateRecord(worker="w-a", tier="gpu", backend="device-memory", policy="utility",
+                            capacity_bytes=1 << 28, used_bytes=1 << 27, reserved_bytes=4096, pinned_bytes=8192,
+                            in_flight_bytes=4096, blocks=12, unannounced_blocks=2, price_s_per_gib=float("inf"),
+                            price_bytes=1 << 22, counters={"demoted": 3}, published_at=4.0)
+    return [batch, tiered, *obs, plan, plan_tokens, plan_described, decision, hint, cancel, pin, cmd, ok, late, fit_c,
+            fit_l, state, dead]
 
 
 def _topic_for(value):
@@ -214,3 +222,16 @@ def test_a_plan_request_descriptor_must_match_its_scope_and_block_size():
         PlanRequest(**good, descriptor=descriptor(num_layers=5))
     with pytest.raises(ValueError, match="block_size"):
         PlanRequest(**{**good, "block_size": 2, "prompt_tokens": 2}, descriptor=descriptor())
+
+
+def test_placement_hints_of_version_1_still_decode_and_keys_fit_the_contract():
+    from nexuskv.contracts.topics import PLACEMENT
+
+    v1 = (b'{"schema_version":1,"hint_id":"h","tenant_namespace":"t","kind":"pin","worker":"w","issued_at":1.0,'
+          b'"reason":"r"}')
+    hint = decode(PLACEMENT, v1)
+    assert hint.keys == () and hint.bytes == 0 and hint.descriptor_id is None
+    with pytest.raises(SchemaVersionError):
+        decode(PLACEMENT, v1.replace(b'"schema_version":1', b'"schema_version":3'))
+    with pytest.raises(ContractError):
+        decode(PLACEMENT, v1.replace(b'"reason":"r"', b'"reason":"r","keys":[-1]'))

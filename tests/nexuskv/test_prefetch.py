@@ -14,7 +14,16 @@ from nexuskv.descriptor import Granularity, LayerGroup, StateDescriptor, TensorS
 from nexuskv.models import known_model
 from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy, parse_policy
-from nexuskv.prefetch import Cancel, Demote, Evict, PrefetchFallback, PrefetchScheduler, TicketState, effect_hint
+from nexuskv.prefetch import (
+    Cancel,
+    Demote,
+    Evict,
+    PrefetchFallback,
+    PrefetchScheduler,
+    TicketState,
+    Unpin,
+    effect_hint,
+)
 from nexuskv.profiles import shipped_cost_model
 
 from tests.planning import NOW, lookup, match, query
@@ -51,9 +60,15 @@ def test_a_prefetch_ready_in_time_is_kept_and_frees_its_budget():
     room = s.headroom("acme")
     assert room.transfers == POLICY.budgets.max_transfers_in_flight - 1
     assert room.bytes_per_s == pytest.approx(POLICY.budgets.max_transfer_bytes_per_s - ticket.rate_bytes_per_s)
-    assert s.complete(result(p.transfers[0]), now=NOW + 0.05) == []
+    effects = s.complete(result(p.transfers[0]), now=NOW + 0.05)
+    assert [type(e) for e in effects] == [Unpin]  # the source pin ends when the bytes stopped moving
+    unpin = effect_hint(effects[0], now=NOW + 0.05)
+    source_pin = next(h for h in p.hints if h.kind is HintKind.PIN)
+    assert unpin.kind is HintKind.UNPIN and unpin.worker == source_pin.worker and unpin.tier is source_pin.tier
+    assert unpin.keys == source_pin.keys == p.transfers[0].keys and unpin.transfer_id == ticket.transfer_id
+    assert decode(PLACEMENT, encode(PLACEMENT, unpin)) == unpin
     assert s.ticket(ticket.transfer_id).state is TicketState.READY
-    assert (s.transfers, s.pinned, s.rate) == (0, 0, 0.0)
+    assert (s.transfers, s.pinned, s.in_flight_bytes, s.rate) == (0, 0, 0, 0.0)
     assert s.tick(now=p.decision.deadline_at + 1) == []  # a ready ticket has no deadline left to miss
 
 
@@ -70,13 +85,16 @@ def test_a_prefetch_that_misses_its_deadline_falls_back_to_recompute_and_is_canc
     dec = fallback[0].decision
     assert dec.action is Action.RECOMPUTE and dec.revision == 1 and "missed its deadline" in dec.reason
     assert decode(DECISIONS, encode(DECISIONS, dec)) == dec
-    assert s.transfers == 0 and s.pinned == 0  # cancelling frees the budget at once
+    # The source pin lapsed at its deadline, but the copy still holds its in-flight budget until the
+    # executor says the bytes stopped moving.
+    assert s.pinned == 0 and s.transfers == 1 and s.in_flight_bytes == p.transfers[0].bytes
     hint = effect_hint(cancels[0], now=deadline)
     assert hint.kind is HintKind.CANCEL and hint.transfer_id == p.transfers[0].transfer_id
     assert decode(PLACEMENT, encode(PLACEMENT, hint)) == hint
     # The executor did not stop in time: the copy lands late and is demoted, not kept in GPU.
     late = s.complete(result(p.transfers[0], at=deadline + 0.5), now=deadline + 0.5)
     assert len(late) == 1 and isinstance(late[0], Demote) and late[0].to_tier is Tier.HOST
+    assert s.transfers == 0 and s.in_flight_bytes == 0
     demote = effect_hint(late[0], now=deadline + 0.5)
     assert demote.kind is HintKind.DEMOTE and demote.to_tier is Tier.HOST and demote.worker == "w-a"
     assert s.ticket(p.transfers[0].transfer_id).state is TicketState.LATE
@@ -106,7 +124,7 @@ def test_a_late_result_before_the_tick_is_still_late():
     p = prefetch_plan()
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], at=p.decision.deadline_at + 0.2), now=p.decision.deadline_at + 0.2)
-    assert [type(e) for e in effects] == [PrefetchFallback, Demote]
+    assert [type(e) for e in effects] == [Unpin, PrefetchFallback, Demote]
 
 
 def test_a_failed_transfer_falls_back_before_its_deadline():
@@ -114,7 +132,7 @@ def test_a_failed_transfer_falls_back_before_its_deadline():
     p = prefetch_plan()
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], status="integrity_error", error="checksum mismatch"), now=NOW + 0.05)
-    assert [type(e) for e in effects] == [PrefetchFallback] and "checksum mismatch" in effects[0].decision.reason
+    assert [type(e) for e in effects] == [Unpin, PrefetchFallback] and "checksum mismatch" in effects[1].decision.reason
     assert s.ticket(p.transfers[0].transfer_id).state is TicketState.FAILED and s.transfers == 0
     assert s.complete(result(p.transfers[0]), now=NOW + 0.1) == []  # a duplicate result changes nothing
 
@@ -169,9 +187,12 @@ def test_every_group_of_a_request_falls_back_together():
     s = PrefetchScheduler(POLICY)
     s.track(p, now=NOW)
     effects = s.complete(result(p.transfers[0], status="failed", error="nic down"), now=NOW + 0.01)
-    assert [type(e) for e in effects] == [PrefetchFallback, Cancel]
-    assert effects[1].ticket.transfer_id == p.transfers[1].transfer_id
-    assert s.transfers == 0
+    assert [type(e) for e in effects] == [Unpin, PrefetchFallback, Cancel]
+    assert effects[2].ticket.transfer_id == p.transfers[1].transfer_id
+    assert s.transfers == 1  # the sibling is cancelled, but counted until its bytes stop moving
+    stopped = s.complete(result(p.transfers[1], status="cancelled", error="cancelled after 3 blocks"),
+                         now=NOW + 0.02)
+    assert [type(e) for e in stopped] == [Unpin] and s.transfers == 0 and s.pinned == 0
     with pytest.raises(ValueError, match="already tracked"):
         s.track(p, now=NOW)
 
@@ -185,3 +206,39 @@ def test_closed_tickets_are_forgotten():
     assert s.ticket(p.transfers[0].transfer_id) is None and s.open_tickets() == ()
     unknown = result(p.transfers[0])
     assert s.complete(unknown, now=NOW + 3) == []
+
+
+def test_a_cancelled_copy_whose_result_never_comes_is_released_after_a_grace_and_counted():
+    s = PrefetchScheduler(POLICY, lost_result_s=30.0)
+    p = prefetch_plan()
+    s.track(p, now=NOW)
+    deadline = p.decision.deadline_at
+    s.tick(now=deadline)
+    assert s.transfers == 1 and s.lost_results == 0
+    assert s.tick(now=deadline + 29.0) == [] and s.transfers == 1
+    s.tick(now=deadline + 30.0)
+    assert s.transfers == 0 and s.in_flight_bytes == 0 and s.lost_results == 1
+    # A result that comes after all changes nothing more.
+    assert s.complete(result(p.transfers[0], status="cancelled", error="late"), now=deadline + 31) == []
+    assert s.transfers == 0
+
+
+def test_pinned_bytes_are_counted_apart_from_bytes_in_flight():
+    quota = _policy("[tenancy.quotas.acme]\nmax_pinned_bytes=10000000000\nmax_transfer_bytes_in_flight=20000000000")
+    s = PrefetchScheduler(quota)
+    p = prefetch_plan(policy=quota)
+    s.track(p, now=NOW)
+    nbytes = p.transfers[0].bytes
+    room = s.headroom("acme")
+    assert room.tenant_pinned_bytes == 10_000_000_000 - nbytes and room.tenant_bytes == 20_000_000_000 - nbytes
+    # A reused prefix in GPU memory is pinned until consumed, but nothing is in flight for it.
+    reuse_q = query(LLAMA8, 8192, [WorkerLoad(worker="w-b", profile="h200x1-rdma4x200")], request_id="r-reuse")
+    reuse = plan(reuse_q, lookup(len(reuse_q.keys), match("w-b", "gpu", len(reuse_q.keys))), MODEL, quota, now=NOW)
+    assert reuse.decision.action is Action.FULL_REUSE and not reuse.transfers
+    pin_hint = next(h for h in reuse.hints if h.kind is HintKind.PIN)
+    assert pin_hint.bytes > 0 and pin_hint.keys == reuse_q.keys
+    s.track(reuse, now=NOW)
+    assert s.pinned == nbytes + pin_hint.bytes and s.in_flight_bytes == nbytes and s.transfers == 1
+    assert s.headroom("acme").tenant_bytes == 20_000_000_000 - nbytes  # in flight: unchanged by the pin
+    s.tick(now=pin_hint.expires_at)  # consumed: the pin lapses
+    assert s.pinned == nbytes
