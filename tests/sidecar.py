@@ -48,9 +48,11 @@ class Sidecar:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start_sidecar(url, data_dir: Path, *, timeout_s: float = 90.0, env: dict[str, str] | None = None) -> Sidecar:
+def start_sidecar(url, data_dir: Path, *, timeout_s: float = 90.0, env: dict[str, str] | None = None,
+                  socket: Path | None = None) -> Sidecar:
+    """Start the service (on ``socket`` when given: a restart on the same path) and wait until it is ready."""
     folder = Path(tempfile.mkdtemp(prefix="nkv-", dir="/tmp"))
-    sock = folder / "index.sock"
+    sock = socket or folder / "index.sock"
     port = free_port()
     root = Path(__file__).resolve().parents[1]
     own = dict(os.environ, NEXUSKV_BROKER=str(url), NEXUSKV_DATA_DIR=str(data_dir), NEXUSKV_INDEX_SOCKET=str(sock),
@@ -72,3 +74,41 @@ def start_sidecar(url, data_dir: Path, *, timeout_s: float = 90.0, env: dict[str
             raise RuntimeError(f"the index sidecar was not ready in {timeout_s:.0f} s ({status} {body}):\n"
                                f"{proc.log_tail()}")
         time.sleep(0.2)
+
+
+class ThreadReplica:
+    """The test's own index replica on a loop thread, for checks an engine's ask cannot make
+    (a publisher's incarnation and certainty): ``lookup``, ``wait_caught_up``, ``_replica.index``.
+    Tests hold one; engines never do (they ask the sidecar)."""
+
+    def __init__(self, url, *, client_id: str) -> None:
+        import asyncio
+        import threading
+
+        from streams.replica import IndexReplica
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=client_id, daemon=True)
+        self._thread.start()
+        self._replica = IndexReplica(url, client_id=client_id)
+        self._call(self._replica.start())
+
+    def _call(self, coro, timeout: float = 60.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def lookup(self, scope, keys):
+        async def ask():
+            return self._replica.lookup(scope, keys)
+        return self._call(ask())
+
+    def wait_caught_up(self, timeout_s: float = 30.0) -> None:
+        self._call(self._replica.wait_caught_up(timeout_s=timeout_s), timeout_s + 5.0)
+
+    def stop(self) -> None:
+        try:
+            self._call(self._replica.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
