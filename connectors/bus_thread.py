@@ -2,13 +2,8 @@
 
 vLLM's scheduler and SGLang's HiCache controller call their plugins from plain threads, while
 NexusKV's bus clients are asyncio. :class:`BackgroundBus` runs one loop on a daemon thread that
-owns an :class:`~streams.replica.IndexReplica` (every ``nexuskv.kv-events`` partition, from the
-index workers' checkpoints), a :class:`~streams.cost_models.CostModelReplica` and a producer, and
-offers them thread-safely:
+owns a :class:`~streams.cost_models.CostModelReplica` and a producer, and offers them thread-safely:
 
-* :meth:`lookup` — an :class:`~nexuskv.lookup.IndexView`: the replica answers on its own loop
-  (it is not thread-safe); a lookup that does not answer within ``lookup_timeout_s`` is a miss
-  whose ``lag_ms`` is infinite, so nothing is moved on it;
 * :attr:`model` — the latest cost-model snapshot (an immutable value, read without a lock);
 * :meth:`publish` — send a :class:`~nexuskv.contracts.kv_events.KvEventBatch` keyed by its
   publisher, waiting for the acknowledgement (a publisher's batches stay in order);
@@ -16,8 +11,12 @@ offers them thread-safely:
   key given), without waiting: observations and decision records, which must never hold up the
   engine's thread; a failed send is logged and counted (``send_failures``), never raised.
 
+It holds no index: an engine asks the node's index sidecar for its matches
+(:class:`connectors.index_client.IndexClient`, :mod:`streams.index_sidecar`); the client the
+engine's plugin uses travels with the bus as :attr:`BackgroundBus.index` and is closed with it.
+
 :class:`BackgroundProducer` is the same loop with a producer only, for processes that publish but
-never look anything up (a vLLM worker process publishing its tier's facts and its timings).
+never read a cost model (a vLLM worker process publishing its tier's facts and its timings).
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import threading
-from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nexuskv.config import BrokerUrl
 from nexuskv.contracts.base import Contract
@@ -36,9 +33,10 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.cost import CostModel
 from nexuskv.errors import BrokerError
-from nexuskv.identity import IdentityScope
-from nexuskv.lookup import LookupResult
 from nexuskv.profiles import shipped_cost_model
+
+if TYPE_CHECKING:
+    from connectors.index_client import IndexClient
 
 __all__ = ["BackgroundBus", "BackgroundProducer"]
 
@@ -82,22 +80,16 @@ class _Sender:
 
 
 class BackgroundBus(_Sender):
-    """Index replica, cost-model replica and producer on a loop thread; start, use, stop."""
+    """Cost-model replica and producer on a loop thread; start, use, stop."""
 
-    def __init__(self, url: BrokerUrl, *, client_id: str, secret: bytes = b"", max_memberships: int = 16_000_000,
-                 checkpoint_dir: Path | None = None, base_model: CostModel | None = None,
-                 lookup_timeout_s: float = 0.5) -> None:
+    def __init__(self, url: BrokerUrl, *, client_id: str, base_model: CostModel | None = None,
+                 index: IndexClient | None = None) -> None:
         self.url = url
         self.client_id = client_id
-        self.secret = secret
-        self.max_memberships = max_memberships
-        self.checkpoint_dir = checkpoint_dir
+        self.index = index
         self.base_model = base_model or shipped_cost_model()
-        self.lookup_timeout_s = lookup_timeout_s
-        self.timeouts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"{client_id}-bus", daemon=True)
-        self._replica = None
         self._costs = None
         self._producer = None
         self._cost_task: asyncio.Task | None = None
@@ -118,13 +110,9 @@ class BackgroundBus(_Sender):
     async def _start(self, timeout_s: float) -> None:
         from streams.bus import make_producer
         from streams.cost_models import CostModelReplica
-        from streams.replica import IndexReplica
 
         self._producer = make_producer(self.url, client_id=self.client_id)
         await self._producer.start()
-        self._replica = IndexReplica(self.url, secret=self.secret, max_memberships=self.max_memberships,
-                                     checkpoint_dir=self.checkpoint_dir, client_id=f"{self.client_id}-index")
-        await self._replica.start(timeout_s=timeout_s)
         self._costs = CostModelReplica(self.url, self.base_model, service=self.client_id)
         await self._costs.start(timeout_s=timeout_s)
         self._cost_task = asyncio.create_task(self._costs.run(self._producer), name=f"{self.client_id}-costs")
@@ -132,26 +120,6 @@ class BackgroundBus(_Sender):
     @property
     def model(self) -> CostModel:
         return self._costs.model if self._costs is not None else self.base_model
-
-    async def _lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
-        if self._replica is None:
-            raise BrokerError(f"{self.client_id}: the bus is not started")
-        return self._replica.lookup(scope, keys)
-
-    def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
-        try:
-            return self._call(self._lookup(scope, keys), self.lookup_timeout_s)
-        except concurrent.futures.TimeoutError:
-            self.timeouts += 1
-            return LookupResult(num_blocks=len(keys), matches=(), lag_ms=math.inf)
-
-    async def _wait_caught_up(self, timeout_s: float) -> None:
-        if self._replica is not None:
-            await self._replica.wait_caught_up(timeout_s=timeout_s)
-
-    def wait_caught_up(self, timeout_s: float = 30.0) -> None:
-        """Block until the index replica has applied everything published so far."""
-        self._call(self._wait_caught_up(timeout_s), timeout_s + 5.0)
 
     async def _publish(self, batch: KvEventBatch) -> None:
         from streams.bus import send
@@ -171,11 +139,13 @@ class BackgroundBus(_Sender):
                 await self._cost_task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping: its end does not matter
                 pass
-        for client in (self._costs, self._replica, self._producer):
+        for client in (self._costs, self._producer):
             if client is not None:
                 await client.stop()
 
     def stop(self) -> None:
+        if self.index is not None:
+            self.index.close()
         if self._thread.is_alive():
             try:
                 self._call(self._stop(), 30.0)

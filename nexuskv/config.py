@@ -189,6 +189,22 @@ class Settings(BaseModel):
         "`token=tenant[,token=tenant...]`, tokens of at least 16 characters. Empty: the endpoint answers "
         "401 to everyone.", "",
     )
+    index_socket: Path | None = _env(
+        "NEXUSKV_INDEX_SOCKET",
+        "Unix socket of this node's index sidecar (`streams.index_sidecar`), which engine processes ask for their "
+        "matches instead of holding an index. Unset: `$NEXUSKV_DATA_DIR/run/index.sock`. At most 107 bytes.",
+        None,
+    )
+    index_ask_budget_ms: float = _env(
+        "NEXUSKV_INDEX_ASK_BUDGET_MS",
+        "Most milliseconds an engine waits for the index sidecar's answer (connect, send, answer); past it the "
+        "request has no external hits and is recomputed.", 20.0, gt=0, le=10_000,
+    )
+    index_ask_backoff_ms: float = _env(
+        "NEXUSKV_INDEX_ASK_BACKOFF_MS",
+        "After an ask failed (timeout, sidecar down, malformed answer), milliseconds an engine answers misses at "
+        "once without asking, before it tries the sidecar again.", 1000.0, ge=0, le=600_000,
+    )
     worker: str = _env(
         "NEXUSKV_WORKER",
         "Worker id of this process's data plane: its tier manager owns this worker's tiers and its transfer "

@@ -21,11 +21,13 @@ answers ``batch_exists`` for SGLang's prefetch check (gated by the planner,
 :mod:`connectors.sglang.hicache_core`).
 
 The logic is :class:`~connectors.sglang.hicache_core.HiCacheCore`; this module translates
-SGLang's objects and wires the bus (:class:`~connectors.bus_thread.BackgroundBus`: the index
-replica that gates ``exists``, the cost model that gates ``batch_exists``, the producer of the
-backend's page facts). Importing it does not import SGLang: the subclass is built when SGLang
-first asks for ``NexusKVHiCacheStorage``. Facts travel through the bus, so a page just written
-reads as absent until the replica has applied its event (a miss, never a wrong hit).
+SGLang's objects and wires the bus (:class:`~connectors.bus_thread.BackgroundBus`: the cost
+model that gates ``batch_exists``, the producer of the backend's page facts) and the index: the
+backend holds none, it asks the node's index sidecar (:class:`~connectors.index_client.IndexClient`,
+within ``NEXUSKV_INDEX_ASK_BUDGET_MS``; no answer is a miss). Importing it does not import SGLang:
+the subclass is built when SGLang first asks for ``NexusKVHiCacheStorage``. Facts travel through
+the bus, so a page just written reads as absent until the sidecar's replica has applied its event
+(a miss, never a wrong hit).
 
 **Ranks.** Each TP rank is its own publisher, ``<worker>/tp<rank>`` (``dp<d>-`` and ``pp<p>-`` in
 front under data-parallel attention and pipeline parallelism). A model whose KV is sharded over
@@ -61,7 +63,6 @@ import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from connectors.descriptors import resolve_descriptor
@@ -267,6 +268,7 @@ def component_key(key: str, pool: str, shard: EngineShard) -> str:
 def build_core(config: HiCacheConfig, settings: Any, *, layout: Any = None) -> tuple[Any, Any]:
     """The backend's core and the bus it runs on (started); stop the bus when done."""
     from connectors.bus_thread import BackgroundBus
+    from connectors.index_client import client_from_settings
     from connectors.sglang.hicache_core import FolderSource, HiCacheCore, folder_of
     from nexuskv.dataplane.catalog import BackendCatalog
     from nexuskv.dataplane.disk import DiskBackend
@@ -286,14 +288,13 @@ def build_core(config: HiCacheConfig, settings: Any, *, layout: Any = None) -> t
             owner_source = FolderSource(folder_of(settings.data_dir, config.owner))
     else:
         backend = RemoteBackend(settings.remote_tier)
-    bus = BackgroundBus(settings.broker_url, client_id=f"nexuskv-hicache-{config.worker}",
-                        secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
-                        checkpoint_dir=Path(settings.data_dir) / "index" / "nexuskv-index").start(
-                            settings.broker_start_timeout_s)
+    index = client_from_settings(settings, name=f"nexuskv-hicache-{config.worker}")
+    bus = BackgroundBus(settings.broker_url, client_id=f"nexuskv-hicache-{config.worker}", index=index).start(
+        settings.broker_start_timeout_s)
     policy = PolicyFile(settings.policy_file).current if settings.policy_file else ExecutionPolicy(version="builtin")
     try:
         core = HiCacheCore(config.descriptor, worker=config.worker, catalog=BackendCatalog(config.worker, [backend]),
-                           tier=config.tier, index=bus, publish=bus.publish, model=lambda: bus.model,
+                           tier=config.tier, index=index, publish=bus.publish, model=lambda: bus.model,
                            execution=lambda: policy, profile=config.profile, secret=settings.identity_secret_bytes,
                            layout=layout, owner=config.owner, owner_source=owner_source)
     except Exception:

@@ -15,8 +15,11 @@ worker's GPU does it answer that many tokens, in whole blocks, never the prompt'
 only as many as the source really holds now (the tier is checked, so a payload deleted behind
 NexusKV's back is recomputed, not loaded); otherwise 0. It answers ``None`` ("ask again") while the
 index lags beyond the policy's limit, for at most ``decide_wait_s`` per request, and ``load_async``
-only with a positive count. vLLM does not tell a connector its queue, so the planner sees an idle
-worker. Each decision acted upon (the allocation that follows it) is handed to ``on_decision``
+only with a positive count. The index is asked, not held: ``index`` is the node's sidecar
+(:class:`connectors.index_client.IndexClient`), whose answer within its budget or a miss with
+infinite lag (no answer, a malformed one) is all this thread waits for; an infinite lag is not
+waited out (nothing says it will shrink): the request is recomputed at once. vLLM does not tell
+a connector its queue, so the planner sees an idle worker. Each decision acted upon (the allocation that follows it) is handed to ``on_decision``
 (published to ``nexuskv.decisions``); a load the worker reports failed gets its fallback record.
 
 **Saves** (``build_meta``). Every full block a step computes is saved in that step (vLLM's
@@ -37,6 +40,7 @@ hybrid models need ``SupportsHMA``) is refused at construction, with the reason.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -197,7 +201,7 @@ class SchedulerSide:
         limit = (len(token_ids) - 1) // bs  # the last token is always computed: its logits are the output
         execution = self.execution()
         found = self.index.lookup(self.scope, keys) if keys else None
-        if found is not None and found.lag_ms > execution.budgets.max_index_lag_ms \
+        if found is not None and math.isfinite(found.lag_ms) and found.lag_ms > execution.budgets.max_index_lag_ms \
                 and now - st.first_asked < self.decide_wait_s:
             self.stats["deferred"] += 1
             return None, False  # facts too old to move state on: ask again once the index caught up

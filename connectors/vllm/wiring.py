@@ -1,7 +1,9 @@
 """Building the connector's two sides from settings: what the vLLM shell runs in each process.
 
-* :func:`build_scheduler_side` — in vLLM's engine-core process: a started
-  :class:`~connectors.bus_thread.BackgroundBus` (index replica, cost-model replica, producer),
+* :func:`build_scheduler_side` — in vLLM's engine-core process: an
+  :class:`~connectors.index_client.IndexClient` of the node's index sidecar (the engine holds no
+  index: it asks, within ``NEXUSKV_INDEX_ASK_BUDGET_MS``), a started
+  :class:`~connectors.bus_thread.BackgroundBus` (cost-model replica, producer),
   the execution policy, file and remote-tier probes, the cold-start cost model of this model and
   worker, and the decision records published to ``nexuskv.decisions``.
 * :func:`build_worker_side` — in each vLLM worker process: the worker's disk tier (under
@@ -11,7 +13,7 @@
   the tier holds) before the worker serves anything; observations go to ``nexuskv.observations``.
 
 Both read ``NEXUSKV_BROKER`` (required: the connector is nothing without the deployment's bus),
-``NEXUSKV_DATA_DIR``, ``NEXUSKV_REMOTE_TIER``, ``NEXUSKV_IDENTITY_SECRET`` and ``NEXUSKV_POLICY_FILE``.
+``NEXUSKV_DATA_DIR``, ``NEXUSKV_INDEX_SOCKET``, ``NEXUSKV_REMOTE_TIER``, ``NEXUSKV_IDENTITY_SECRET`` and ``NEXUSKV_POLICY_FILE``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.bus_thread import BackgroundBus, BackgroundProducer
+from connectors.index_client import client_from_settings
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import Readable, SchedulerSide
 from connectors.vllm.tier_publisher import TierPublisher
@@ -56,17 +59,16 @@ def _broker(settings: Settings):
 
 def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None = None,
                          base_model: CostModel | None = None) -> tuple[SchedulerSide, BackgroundBus]:
-    """The scheduler side on a started background bus (stop the bus when done)."""
+    """The scheduler side on a started background bus (stop the bus when done: it closes the index client)."""
     from nexuskv.dataplane.disk import stored_header
     from nexuskv.dataplane.remote import RemoteBackend
 
     settings = settings or Settings.from_env()
     url = _broker(settings)
     policy = PolicyFile(settings.policy_file).current if settings.policy_file else ExecutionPolicy(version="builtin")
-    bus = BackgroundBus(url, client_id=f"nexuskv-vllm-{config.worker}", secret=settings.identity_secret_bytes,
-                        max_memberships=settings.index_max_memberships,
-                        checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
-                        base_model=base_model).start(settings.broker_start_timeout_s)
+    index = client_from_settings(settings, name=f"nexuskv-vllm-{config.worker}")
+    bus = BackgroundBus(url, client_id=f"nexuskv-vllm-{config.worker}", base_model=base_model,
+                        index=index).start(settings.broker_start_timeout_s)
     root = disk_root(config, settings)
     remote = RemoteBackend(settings.remote_tier) if settings.remote_tier else None
 
@@ -89,7 +91,7 @@ def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None =
     def on_decision(decision: Any) -> None:
         bus.send(decision, topic=DECISIONS, key=decision.request_id)
 
-    side = SchedulerSide(config.descriptor, worker=config.worker, index=bus, model=lambda: bus.model,
+    side = SchedulerSide(config.descriptor, worker=config.worker, index=index, model=lambda: bus.model,
                          execution=lambda: policy, readable=Readable(config.worker, own, shared), probe=probe,
                          save_tier=config.save_tier, profile=profile, load_async=config.load_async,
                          decide_wait_s=config.decide_wait_s, secret=settings.identity_secret_bytes, cold_start=cold,

@@ -38,6 +38,9 @@ SERVICES: tuple[Service, ...] = (
             "applies nexuskv.kv-events to the global index, dead-letters bad records, checkpoints per partition"),
     Service("index-api", "streams.index_api",
             "an index replica of every partition behind the authenticated, tenant-scoped HTTP lookup endpoint"),
+    Service("index-sidecar", "streams.index_sidecar",
+            "this node's index replica, asked by its engine processes over a Unix socket (NEXUSKV_INDEX_SOCKET) "
+            "instead of each holding an index"),
     Service("remote-tier", "streams.remote_tier",
             "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
     Service("tier-manager", "streams.tier_manager",

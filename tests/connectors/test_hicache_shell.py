@@ -8,6 +8,7 @@ the background bus, the tier, the core) against the test session's Apache Kafka.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
@@ -134,9 +135,10 @@ def test_bad_configuration_names_the_field(extra, kw, field):
 
 
 @pytest.mark.broker
-async def test_pages_and_their_facts_over_the_bus(kafka_url, tmp_path):
+async def test_pages_and_their_facts_over_the_bus(kafka_url, tmp_path, index_sidecar):
     await ensure_topics(kafka_url, partitions=8)
-    settings = Settings.from_env({"NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path)})
+    settings = Settings.from_env({"NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path),
+                                  **index_sidecar.env})
     d = gqa_descriptor(model="test/bus-model", num_layers=1, num_kv_heads=1, head_dim=8, block_size=16,
                        engine_family="sglang")
     path = tmp_path / "d.json"
@@ -149,12 +151,12 @@ async def test_pages_and_their_facts_over_the_bus(kafka_url, tmp_path):
         keys = page_hashes_hex(list(range(48)), 16)
         page_data = [torch.full((2, 16, 8), float(i), dtype=torch.bfloat16) for i in range(3)]
         assert core.set_many(list(zip(keys, page_data))) == [True, True, True]
-        bus.wait_caught_up()
+        await asyncio.to_thread(bus.index.wait_caught_up)
         assert [core.exists(k) for k in keys] == [True, True, True]
         target = torch.empty(2, 16, 8, dtype=torch.bfloat16)
         assert core.get(keys[1], target) is target and torch.equal(target, page_data[1])
         assert core.delete(keys[1])
-        bus.wait_caught_up()
+        await asyncio.to_thread(bus.index.wait_caught_up)
         assert [core.exists(k) for k in keys] == [True, False, True]
         assert core.get(keys[1], target) is None
     finally:

@@ -102,13 +102,12 @@ def test_no_worker_name_without_a_kv_topic():
 
 
 @pytest.mark.broker
-def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restart(kafka_url, tmp_path):
+def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restart(kafka_url, tmp_path, index_sidecar):
     """Both sides as the shell builds them, the reference runtime playing vLLM, a real Kafka: the
     tier's publisher announces what the worker wrote, a GPU reset leaves it, a new worker side
     re-announces it, and every acted-upon decision and every timing is on the bus."""
     import torch
 
-    from connectors.bus_thread import BackgroundBus
     from connectors.vllm.standin import VllmStandIn
     from connectors.vllm.tier_publisher import tier_publisher_name
     from connectors.vllm.wiring import build_scheduler_side, build_worker_side
@@ -127,7 +126,8 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     path.write_text(probe_rt.descriptor.model_dump_json())
     cfg = ConnectorConfig.parse({"descriptor": str(path), "tenant": tenant, "worker": probe_rt.publisher_id,
                                  "profile": PROFILE}, model="n/a", block_size=spec.block_size)
-    settings = Settings.from_env({"NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path)})
+    settings = Settings.from_env({"NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path),
+                                  **index_sidecar.env})
     sched, bus = build_scheduler_side(cfg, settings=settings, base_model=cost_model(cfg.descriptor))
     worker, producer = build_worker_side(cfg, settings=settings, measure=False)
     engines = []
@@ -143,7 +143,7 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
         prompt = torch.randint(0, 256, (26,), generator=torch.Generator().manual_seed(9)).tolist()
         assert first.serve("r1", prompt).saved_blocks == 6
         first.runtime.reset()
-        bus.wait_caught_up()
+        bus.index.wait_caught_up()
         served = first.serve("r2", prompt)
         assert served.matched_tokens == 24 and served.loaded_tokens == 24
         expected = ReferenceEngine(spec, model=probe_rt.model).prefill(prompt, reuse=False).logits
@@ -153,9 +153,10 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
         producer.stop()
         worker, producer = build_worker_side(cfg, settings=settings, measure=False)  # a restarted worker process
         assert worker.publisher.stats["reannounced"] == 6
-        bus.wait_caught_up()
-        status = bus._replica.index.publisher_status(tier_publisher_name(probe_rt.publisher_id, Tier.DISK))
-        assert status.certain
+        bus.index.wait_caught_up()
+        found = bus.index.lookup(sched.scope, sched._keyer.keys(prompt))  # what the engine's ask sees
+        mine = [m for m in found.matches if m.publisher == tier_publisher_name(probe_rt.publisher_id, Tier.DISK)]
+        assert [m.prefix_blocks for m in mine] == [6] and mine[0].certain
         again = engine(2, worker)
         served = again.serve("r3", prompt)
         assert served.matched_tokens == 24 and served.saved_blocks == 0

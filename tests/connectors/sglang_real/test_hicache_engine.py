@@ -26,14 +26,16 @@ README_EXTRA = ('{"backend_name":"nexuskv","module_path":"connectors.sglang.hica
 
 
 @pytest.fixture
-def nexuskv_env(kafka_url, remote_tier_address, tmp_path, monkeypatch):
-    """SGLang's environment as the README sets it: the bus, the remote tier, the data folder."""
+def nexuskv_env(kafka_url, remote_tier_address, tmp_path, monkeypatch, index_sidecar):
+    """SGLang's environment as the README sets it: the bus, the remote tier, the data folder, the
+    node's index sidecar (which the backend asks)."""
     import asyncio
 
     asyncio.run(ensure_topics(kafka_url, partitions=8))
     monkeypatch.setenv("NEXUSKV_BROKER", str(kafka_url))
     monkeypatch.setenv("NEXUSKV_REMOTE_TIER", remote_tier_address)
     monkeypatch.setenv("NEXUSKV_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("NEXUSKV_INDEX_SOCKET", str(index_sidecar.socket))
     return tmp_path
 
 
@@ -62,7 +64,7 @@ def test_readme_config_pages_round_trip_through_sglang(nexuskv_env):
             op = engine.backup(controller, indices, tokens, hashes)
             assert op.completed_tokens == n * page
             pools.host.free(indices)
-            backend._bus.wait_caught_up()
+            backend._bus.index.wait_caught_up()
             got, loaded = engine.prefetch(controller, tokens, rid=f"r{r}")
             assert got.storage_hit_count == n * page and got.completed_tokens == n * page
             assert all(torch.equal(engine.host_page(pools.host, loaded, i), pages[i]) for i in range(n))
@@ -81,7 +83,7 @@ def _round_trip(controller, pools, tokens, pages_seed, *, rid, prefix=None, last
     indices, pages = engine.fill_host(pools.host, n, seed=pages_seed)
     assert engine.backup(controller, indices, tokens, hashes).completed_tokens == n * page
     pools.host.free(indices)
-    controller.storage_backend._bus.wait_caught_up()
+    controller.storage_backend._bus.index.wait_caught_up()
     op, loaded = engine.prefetch(controller, tokens, rid=rid, last_hash=last_hash, prefix_keys=prefix)
     read = [engine.host_page(pools.host, loaded, i) for i in range(op.storage_hit_count // page)] if loaded is not None \
         else []
@@ -107,7 +109,7 @@ def test_tensor_parallel_ranks_keep_their_own_shards(nexuskv_env):
         tokens = _tokens(n * page, seed=7)
         written0, read0, _ = _round_trip(c0, p0, tokens, 1, rid="tp0-a")
         assert len(read0) == n and all(torch.equal(a, b) for a, b in zip(written0, read0))
-        c1.storage_backend._bus.wait_caught_up()
+        c1.storage_backend._bus.index.wait_caught_up()
         op, _ = engine.prefetch(c1, tokens, rid="tp1-before", load=False)
         assert op.storage_hit_count == 0  # rank 0's shard is not rank 1's
         written1, read1, _ = _round_trip(c1, p1, tokens, 2, rid="tp1-a")
@@ -148,7 +150,7 @@ def test_mla_ranks_read_what_the_writer_rank_stored_on_disk(nexuskv_env):
         p0.host.free(i0)
         p1.host.free(i1)
         assert b1.core.pages() == 0 and b0.core.pages() == n
-        b1._bus.wait_caught_up()
+        b1._bus.index.wait_caught_up()
         op, loaded = engine.prefetch(c1, tokens, rid="mla-tp1")
         assert op.storage_hit_count == n * page and op.completed_tokens == n * page
         assert all(torch.equal(engine.host_page(p1.host, loaded, i), pages[i]) for i in range(n))
@@ -197,7 +199,7 @@ def test_hybrid_model_side_pool_pages_round_trip_through_the_v2_calls(nexuskv_en
             == n * page
         pools.host.free(kv_indices)
         swa.free(swa_indices)
-        backend._bus.wait_caught_up()
+        backend._bus.index.wait_caught_up()
         ask = PoolTransfer(name=PoolName.SWA, keys=hashes[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
         op, loaded = engine.prefetch(controller, tokens, rid="swa", pool_transfers=[ask])
         assert op.storage_hit_count == n * page
@@ -211,7 +213,7 @@ def test_hybrid_model_side_pool_pages_round_trip_through_the_v2_calls(nexuskv_en
         kv2, _ = engine.fill_host(pools.host, n, seed=7)
         assert engine.backup(controller, kv2, other, other_hashes).completed_tokens == n * page  # no SWA pages
         pools.host.free(kv2)
-        backend._bus.wait_caught_up()
+        backend._bus.index.wait_caught_up()
         ask2 = PoolTransfer(name=PoolName.SWA, keys=other_hashes[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
         op2, _ = engine.prefetch(controller, other, rid="swa-missing", pool_transfers=[ask2], load=False)
         assert op2.storage_hit_count == 0
@@ -236,7 +238,7 @@ def test_interface_v1_pages_round_trip_through_a_staging_page(nexuskv_env):
         tokens = _tokens(n * page, seed=31)
         written, read, _ = _round_trip(v1, pools, tokens, 8, rid="v1")
         assert len(read) == n and all(torch.equal(a, b) for a, b in zip(written, read))
-        generic.storage_backend._bus.wait_caught_up()
+        generic.storage_backend._bus.index.wait_caught_up()
         op, loaded = engine.prefetch(generic, tokens, rid="generic-reads-v1")
         assert op.storage_hit_count == n * page
         assert all(torch.equal(engine.host_page(generic_pools.host, loaded, i), written[i]) for i in range(n))

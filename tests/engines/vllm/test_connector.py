@@ -69,12 +69,12 @@ def _connector(worker: str, tenant: str) -> dict:
 
 @pytest.fixture(scope="module")
 def index(kv_topics):
-    """The test's own replica of the index (the engine's scheduler keeps another)."""
-    from connectors.bus_thread import BackgroundBus
+    """The test's own replica of the index (the engine's scheduler asks the node's sidecar)."""
+    from tests.sidecar import ThreadReplica
 
-    bus = BackgroundBus(kv_topics, client_id=f"vllm-test-index-{uuid.uuid4().hex[:6]}").start()
-    yield bus
-    bus.stop()
+    replica = ThreadReplica(kv_topics, client_id=f"vllm-test-index-{uuid.uuid4().hex[:6]}")
+    yield replica
+    replica.stop()
 
 
 def _on_disk(index, descriptor, worker: str, keys: list[int]) -> int:
@@ -124,14 +124,14 @@ def _free_events_ports(flags: dict[str, str]) -> dict[str, str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_model, kv_topics, index, reference,
-                                                                      engine_factory, tmp_path):
+                                                                      engine_factory, tmp_path, index_sidecar):
     """In-process: two ``vllm.LLM`` engines. Multiprocess: a ``vllm.LLM`` engine, then the OpenAI server
     started with the README's exact ``--kv-transfer-config`` and ``--kv-events-config``."""
     from tests.engines.vllm.server import Server, readme_flags
 
     multiprocess = MODES[mode]
     data = tmp_path / "data"
-    env = {"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(data)}
+    env = {"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(data), **index_sidecar.env}
     flags = readme_flags()
     if multiprocess:
         worker, tenant = _readme_worker_and_tenant(flags)
@@ -153,7 +153,7 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
         _same_as_reference(out, reference, prompt)
     wait_for(lambda: all(os.path.exists(f) for f in files), message="A's blocks were not all saved")
     wait_for(lambda: _on_disk(index, descriptor, worker, keys) == 93, message="the tier's publisher did not announce A")
-    time.sleep(0.5)  # the engine's own replica of the index follows the same topic
+    time.sleep(0.5)  # the node's index sidecar, which the engine asks, follows the same topic
     saved_at = [os.stat(f).st_mtime_ns for f in files]
     assert first.call("reset")["reset"]
     before = first.call("metrics")["external_prefix_cache_hits"]

@@ -53,13 +53,17 @@ P5 = P3[:512] + _words(15, 50)
 P6 = _words(17, 100)
 
 
+ENGINE_ENV = ("NEXUSKV_BROKER", "NEXUSKV_DATA_DIR", "NEXUSKV_INDEX_SOCKET")
+
+
 @pytest.fixture(scope="module")
 def index(kv_topics):
-    from connectors.bus_thread import BackgroundBus
+    """The test's own replica of the index (the engine's connector asks the node's sidecar)."""
+    from tests.sidecar import ThreadReplica
 
-    bus = BackgroundBus(kv_topics, client_id=f"vllm-events-index-{uuid.uuid4().hex[:6]}").start()
-    yield bus
-    bus.stop()
+    replica = ThreadReplica(kv_topics, client_id=f"vllm-events-index-{uuid.uuid4().hex[:6]}")
+    yield replica
+    replica.stop()
 
 
 class _Bridge:
@@ -82,12 +86,13 @@ class _Bridge:
 
 
 def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_topics, index, engine_factory,
-                                                                 tmp_path):
+                                                                 tmp_path, index_sidecar):
     pod = f"events-{uuid.uuid4().hex[:6]}"
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     publisher = f"vllm/{pod}/dp0"
     pub_port, replay_port = free_port(), free_port()
-    env = cpu_env(multiprocess=False, extra={"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(tmp_path)})
+    env = cpu_env(multiprocess=False, extra={"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(tmp_path),
+                                             **index_sidecar.env})
 
     # The bridge's descriptor, from the model's config.json (what the connector derives inside vLLM).
     desc_path = tmp_path / "descriptor.json"
@@ -108,7 +113,7 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
                                    "kv_connector_module_path": "connectors.vllm.connector", "kv_role": "kv_both",
                                    "kv_load_failure_policy": "recompute",
                                    "kv_connector_extra_config": {"tenant": tenant, "save_tier": "disk"}}}
-    engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ("NEXUSKV_BROKER", "NEXUSKV_DATA_DIR")},
+    engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ENGINE_ENV},
                             name="events")
     bridge = _Bridge([sys.executable, "-m", "connectors.bridge", "--engine", "vllm",
                       "--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
@@ -187,8 +192,7 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
         # engine's cache; the blocks saved to disk by the old process are still there.
         was = index._replica.index.publisher_status(publisher).incarnation
         engine.close()
-        engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ("NEXUSKV_BROKER",
-                                                                                   "NEXUSKV_DATA_DIR")},
+        engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ENGINE_ENV},
                                 name="events-restarted")
         time.sleep(1.0)  # the bridge's SUB reconnects to the new PUB socket
         issued.append(P3)
