@@ -45,7 +45,8 @@ class ReplayFigures:
     sum_observed_eg_s: float | None
     sum_predicted_eg_s: float | None
     median_ttft_rel_error_warmup: float | None
-    median_ttft_rel_error: float | None  # measured requests
+    median_ttft_rel_error: float | None  # measured requests that were predicted
+    unpredicted: int  # measured requests decided without a cost profile (no prediction to compare)
     actions: dict[str, int]
     reused_tokens_by_tier: dict[str, int]
     transfers_planned: int  # loads the engines' connectors decided (measured requests)
@@ -84,7 +85,8 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         "SELECT count(*) FILTER (WHERE NOT warmup), count(*) FILTER (WHERE NOT outputs_equal), "
         "avg(observed_eg_s) FILTER (WHERE NOT warmup), sum(observed_eg_s) FILTER (WHERE NOT warmup), "
         "sum(predicted_eg_s) FILTER (WHERE NOT warmup), "
-        "median(ttft_rel_error) FILTER (WHERE warmup), median(ttft_rel_error) FILTER (WHERE NOT warmup) "
+        "median(ttft_rel_error) FILTER (WHERE warmup), median(ttft_rel_error) FILTER (WHERE NOT warmup), "
+        "count(*) FILTER (WHERE NOT warmup AND NOT coalesce(predicted, false)) "
         "FROM replay_comparison WHERE replay_id = ?", [replay_id]).fetchall()[0]
     decided = ("SELECT d.* FROM replay_requests r JOIN (SELECT * FROM decisions QUALIFY row_number() OVER "
                "(PARTITION BY request_id ORDER BY revision DESC) = 1) d ON d.request_id = r.decision_id "
@@ -104,7 +106,7 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         replay_id=replay_id, measured=_runs(con, replay_id, "measured"), warmup=_runs(con, replay_id, "warm-up"),
         compared=int(one[0] or 0), differing_outputs=int(one[1] or 0), mean_observed_eg_s=one[2],
         sum_observed_eg_s=one[3], sum_predicted_eg_s=one[4], median_ttft_rel_error_warmup=one[5],
-        median_ttft_rel_error=one[6], actions={k: int(v) for k, v in actions.items()},
+        median_ttft_rel_error=one[6], unpredicted=int(one[7] or 0), actions={k: int(v) for k, v in actions.items()},
         reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
         transfers_completed=completed, transfers_fell_back=fell_back,
         tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads})
@@ -136,7 +138,8 @@ def render(fig: ReplayFigures) -> str:
     lines.append("median relative error of the predicted TTFT: warm-up "
                  + ("-" if fig.median_ttft_rel_error_warmup is None else f"{fig.median_ttft_rel_error_warmup:.1%}")
                  + ", after warm-up "
-                 + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}"))
+                 + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}")
+                 + (f" ({fig.unpredicted} measured requests decided without a cost profile)" if fig.unpredicted else ""))
     if fig.actions:
         lines.append("NexusKV decisions: " + ", ".join(f"{k} {v}" for k, v in fig.actions.items())
                      + "; tokens reused by source tier: "

@@ -249,8 +249,12 @@ REPLAY_VIEWS: dict[str, str] = {
                b.engine AS baseline_engine, n.engine AS nexuskv_engine,
                b.ttft_s AS baseline_ttft_s, n.ttft_s AS nexuskv_ttft_s,
                b.ttft_s - n.ttft_s AS observed_eg_s,
-               d.eg_s AS predicted_eg_s, d.t_with_reuse_s AS predicted_ttft_s, d.action, d.reused_tokens,
-               abs(d.t_with_reuse_s - n.ttft_s) / nullif(n.ttft_s, 0) AS ttft_rel_error,
+               -- a decision taken without a cost profile (t_compute_s = 0) predicted nothing
+               CASE WHEN d.t_compute_s > 0 THEN d.eg_s END AS predicted_eg_s,
+               CASE WHEN d.t_compute_s > 0 THEN d.t_with_reuse_s END AS predicted_ttft_s,
+               d.action, d.reused_tokens, d.t_compute_s > 0 AS predicted,
+               CASE WHEN d.t_compute_s > 0 THEN abs(d.t_with_reuse_s - n.ttft_s) / nullif(n.ttft_s, 0) END
+                   AS ttft_rel_error,
                b.cached_tokens AS baseline_cached_tokens, n.cached_tokens AS nexuskv_cached_tokens,
                b.e2e_s AS baseline_e2e_s, n.e2e_s AS nexuskv_e2e_s,
                b.output_digest = n.output_digest AS outputs_equal,

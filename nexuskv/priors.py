@@ -45,7 +45,7 @@ from nexuskv.descriptor import Tier
 from nexuskv.profiles import ModelSpec
 
 __all__ = ["ASSUMED_MFU", "RELATIVE_NOISE", "FlopFit", "PagedLinkFit", "ColdStart", "assumed_hardware",
-           "with_assumed_hardware"]
+           "with_assumed_hardware", "with_assumed_reads"]
 
 ASSUMED_MFU = 0.5  # as nexuskv.profiles assumes for one GPU
 RELATIVE_NOISE = 0.1  # one timing's relative error, as nexuskv.calibration assumes
@@ -200,6 +200,31 @@ def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostMod
     hardware.update({p: assumed_hardware(p) for p in missing})
     return CostModel(base=f"{model.base}+assumed-hardware({','.join(missing)})", hardware=hardware,
                      compute=model.compute, links=model.links)
+
+
+def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
+    """``model`` with, for each of ``profiles``, a read from host or disk to the GPU assumed to cost
+    what the measured write the other way costs, where only the write was measured.
+
+    A worker's saves are timed from its first step (every block goes to its tier), its loads only
+    once something was loaded; a fleet planner without a read cost never plans the first load. The
+    assumed read is labelled, carries no observations, and calibration's fit replaces it.
+    """
+    links = dict(model.links)
+    added = []
+    for p in sorted(profiles):
+        for tier in (Tier.HOST, Tier.DISK):
+            write = links.get((p, Tier.GPU, tier))
+            if (p, tier, Tier.GPU) in links or write is None or not write.observations:
+                continue
+            links[(p, tier, Tier.GPU)] = LinkCost(
+                p, tier, Tier.GPU, write.params, interference=write.interference,
+                label=f"assumed: the reverse of the measured gpu->{tier.value} link ({write.observations} observations)")
+            added.append(f"{p}:{tier.value}->gpu")
+    if not added:
+        return model
+    return CostModel(base=f"{model.base}+assumed-reads({','.join(added)})", hardware=model.hardware,
+                     compute=model.compute, links=links)
 
 
 class ColdStart:

@@ -85,7 +85,7 @@ from nexuskv.models import KNOWN_MODELS, known_model
 from nexuskv.planner import Plan, PlanQuery, explain, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
-from nexuskv.priors import with_assumed_hardware
+from nexuskv.priors import with_assumed_hardware, with_assumed_reads
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
@@ -232,7 +232,8 @@ class PlannerCore:
         return p
 
     def _model_for(self, query: PlanQuery) -> CostModel:
-        """The cost model with assumed constants for hardware profiles only the workers know."""
+        """The cost model with assumed constants for hardware profiles only the workers know, and
+        reads assumed from measured writes (:func:`nexuskv.priors.with_assumed_reads`)."""
         model = self.model()
         profiles = frozenset(c.profile for c in query.candidates if c.profile)
         key = (id(model), profiles)
@@ -240,7 +241,7 @@ class PlannerCore:
         if hit is None or hit[0] is not model:
             if len(self._filled) > 64:
                 self._filled.clear()
-            hit = self._filled[key] = (model, with_assumed_hardware(model, profiles))
+            hit = self._filled[key] = (model, with_assumed_reads(with_assumed_hardware(model, profiles), profiles))
         return hit[1]
 
     def on_request(self, raw: bytes, *, now: float) -> list[Outgoing]:

@@ -105,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a Hugging Face model folder for vLLM to serve (default: a random Llama built locally)")
     replay.add_argument("--model-size", default="replay", choices=["replay", "tiny"],
                         help="the random model's shape when --model is not given")
+    replay.add_argument("--dtype", default=None,
+                        help="vLLM's --dtype (default: float32 for the random models, auto for --model)")
     replay.add_argument("--engine-blocks", type=int, default=160,
                         help="each vLLM engine's own KV cache, in blocks of 32 tokens")
     replay.add_argument("--hash-block-tokens", type=int, default=32, help="tokens per 512-token trace block")
@@ -252,7 +254,7 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                           time_scale=args.time_scale or 6.0, warmup=args.warmup)
     config = ReplayConfig(trace=args.trace, out=out, shape=shape, workers=args.workers or 2, model_dir=args.model,
-                          model_size=args.model_size, engine_blocks=args.engine_blocks,
+                          model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype,
                           runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
     outcome = run_replay(config, settings, progress=not args.no_progress)
     tables, plots = report(config.db, out / "report")

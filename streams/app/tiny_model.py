@@ -48,12 +48,6 @@ class TinyLlamaSpec:
     dtype: str = "bfloat16"
     rope_theta: float = 10000.0
     seed: int = 0
-    #: Multiplies the random token embeddings. A random Llama's next-token logits are nearly tied,
-    #: and the last bits of KV that two prefills of different shapes compute (a reuse vs a
-    #: recompute, another batch) flip its greedy tokens; with the token's own embedding dominating
-    #: the residual stream, what attention adds — and the rounding in it — is a smaller share of the
-    #: logits, so outputs stop flipping on rounding while still depending on the KV.
-    embedding_scale: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -64,10 +58,7 @@ class TinyLlamaSpec:
         return self.vocab_size - len(SPECIAL_TOKENS)
 
     def digest(self) -> str:
-        fields = asdict(self)
-        if fields["embedding_scale"] == 1.0:  # the digests of models built before the field existed
-            del fields["embedding_scale"]
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def word_id(word: int) -> int:
@@ -107,11 +98,7 @@ def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
-        if spec.embedding_scale != 1.0:
-            with torch.no_grad():
-                model.model.embed_tokens.weight.mul_(spec.embedding_scale)
-        model = model.to(getattr(torch, spec.dtype))
+        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out, safe_serialization=True)

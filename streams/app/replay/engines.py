@@ -59,6 +59,7 @@ class EngineConfig:
     max_model_len: int = 8192
     num_blocks: int | None = None  # the engine's own KV cache, in blocks (None: vLLM's default)
     kv_space_gib: int = 1
+    dtype: str = "auto"  # vLLM's --dtype (on its CPU build, auto computes and stores KV in bfloat16)
     eager: bool = True  # no torch.compile: starts in ~20 s instead of ~60 s, prefill ~10% slower here
     core: int | None = None  # CPU to bind the engine's threads to (None: vLLM decides)
     kv_transfer_config: Mapping[str, object] | None = None
@@ -73,7 +74,7 @@ class EngineConfig:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
-                "--dtype", "auto", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--dtype", self.dtype, "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--seed", "0", "--max-num-seqs", "16", "--uvicorn-log-level", "warning"]
         if self.num_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.num_blocks)]

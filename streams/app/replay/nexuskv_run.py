@@ -3,7 +3,8 @@
 What runs, all started here and stopped at the end:
 
 * the bus — ``NEXUSKV_BROKER``, or an embedded broker — and NexusKV's topics;
-* the index worker, calibration agent and planner service, as ``nexuskv up`` starts them (their
+* the index worker, the node's index sidecar (the engines' connectors ask it), calibration agent
+  and planner service, as ``nexuskv up`` starts them (their
   logs under ``<out>/nexuskv/logs``), and the decision sink in this process, writing into the
   replay's decision store;
 * per engine: vLLM with NexusKV's KV connector (the README's ``--kv-transfer-config``: saves to
@@ -25,7 +26,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -50,16 +53,17 @@ __all__ = ["run_nexuskv", "replay_descriptor", "CPU_PROFILE", "MIN_OBSERVATIONS"
 CPU_PROFILE = "vllm-cpu"  # the hardware profile NexusKV's connector reports on vLLM's CPU platform
 MIN_OBSERVATIONS = 6  # prefills before calibration publishes a fit (the warm-up covers them)
 LAYOUT = "paged_hn_kvd"  # vLLM's CPU attention backend's block layout
-SERVICE_NAMES = ("index-worker", "calibration", "planner")
+SERVICE_NAMES = ("index-worker", "index-sidecar", "calibration", "planner")
 _ROOT = Path(__file__).resolve().parents[3]  # the folder holding the streams and connectors packages
 
 
-def replay_descriptor(model_dir: Path, *, block_size: int, tenant: str) -> StateDescriptor:
+def replay_descriptor(model_dir: Path, *, block_size: int, tenant: str, dtype: str = "auto") -> StateDescriptor:
     """The descriptor the replay's engines, bridges and router share (the connector's default model
-    name is vLLM's ``--model``, the folder)."""
+    name is vLLM's ``--model``, the folder; its KV dtype vLLM's ``--dtype`` unless auto). The
+    connector checks it against the KV cache vLLM allocated and refuses to start on a mismatch."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     return descriptor_from_hf_config(config, model=str(model_dir), block_size=block_size, tenant=tenant,
-                                     engine_family="vllm", layout=LAYOUT)
+                                     engine_family="vllm", layout=LAYOUT, kv_dtype=None if dtype == "auto" else dtype)
 
 
 class _Bridge:
@@ -115,25 +119,33 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
     root = config.out / "nexuskv"
     data_dir, log_dir = root / "data", root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    descriptor = replay_descriptor(model_dir, block_size=config.block_size, tenant=config.tenant)
+    descriptor = replay_descriptor(model_dir, block_size=config.block_size, tenant=config.tenant,
+                                   dtype=config.engine_dtype)
     descriptor_file = root / "descriptor.json"
     descriptor_file.write_text(descriptor.model_dump_json(indent=2) + "\n", encoding="utf-8")
     ports = [free_port() for _ in range(config.workers)]
     events = [(free_port(), free_port()) for _ in range(config.workers)]
     workers = [f"vllm/127.0.0.1:{p}/dp0" for p in ports]
     local = settings.model_copy(update={"data_dir": root})
+    # The engines' connectors ask the node's index sidecar over a Unix socket (a path of at most
+    # 107 bytes: a short folder of its own, whatever the replay's folder is called).
+    run_dir = Path(tempfile.mkdtemp(prefix="nexuskv-replay-", dir="/tmp"))
+    socket = run_dir / "index.sock"
     service_env = {"NEXUSKV_DATA_DIR": str(data_dir), "NEXUSKV_CALIBRATION_MIN_OBSERVATIONS": str(MIN_OBSERVATIONS),
-                   "NEXUSKV_CALIBRATION_PUBLISH": "0.5"}
+                   "NEXUSKV_CALIBRATION_PUBLISH": "0.5", "NEXUSKV_INDEX_SOCKET": str(socket)}
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
-        engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir),
+        engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir), "NEXUSKV_INDEX_SOCKET": str(socket),
                       # vLLM imports the connector by module name: the same NexusKV as this process.
                       "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)}
 
         def connector(i: int, worker: str) -> dict:
             return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                    # The bridges' descriptor file: engines, bridges and the router key blocks in
+                    # one scope by construction (the connector checks it against vLLM's KV cache).
                     "kv_connector_extra_config": {"worker": worker, "tenant": config.tenant,
+                                                  "descriptor": str(descriptor_file),
                                                   "save_tier": config.save_tier, "profile": CPU_PROFILE}}
 
         def kv_events(i: int, worker: str) -> dict:
@@ -142,7 +154,8 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                     "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1:{ports[i]}@{model_dir}"}
 
         setup = RunSetup("nexuskv", model_dir, SERVED_NAME, config.workers, config.block_size,
-                         config.engine_blocks, config.max_model_len, log_dir, kv_transfer_config=connector,
+                         config.engine_blocks, config.max_model_len, log_dir, dtype=config.engine_dtype,
+                         kv_transfer_config=connector,
                          kv_events_config=kv_events, engine_env=engine_env)
         services = tuple(s for s in SERVICES if s.name in SERVICE_NAMES)
         with start_services(url, local, services=services, env=service_env):
@@ -156,6 +169,7 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                 ready = [e.wait_ready(config.start_timeout_s) for e in engines]
                 for b in bridges:
                     b.wait_ready(60.0)
+                _wait_for(socket, 60.0, "the index sidecar's socket")
                 router = PlannerRouter(url, descriptor, tuple(workers), CPU_PROFILE, prefix=replay_id)
                 result = asyncio.run(_serve_with_sink(url, store, workload, engines, router, progress,
                                                       SERVED_NAME))
@@ -165,5 +179,14 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                     e.stop()
                 for b in bridges:
                     b.proc.stop()
+    shutil.rmtree(run_dir, ignore_errors=True)
     return result, workers
+
+
+def _wait_for(path: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise NexusKVError(f"replay: {what} ({path}) did not appear in {timeout_s:.0f}s")
+        time.sleep(0.2)
 

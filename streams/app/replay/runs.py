@@ -55,13 +55,14 @@ class RunSetup:
     engine_blocks: int
     max_model_len: int
     log_dir: Path
+    dtype: str = "auto"
     kv_transfer_config: Callable[[int, str], dict] | None = None  # (engine index, worker name) -> config
     kv_events_config: Callable[[int, str], dict] | None = None
     engine_env: dict[str, str] = field(default_factory=dict)
 
     def engine_config(self, i: int, worker: str, cores: int) -> EngineConfig:
         return EngineConfig(model_dir=self.model_dir, served_name=self.served_name, block_size=self.block_size,
-                            max_model_len=self.max_model_len, num_blocks=self.engine_blocks,
+                            max_model_len=self.max_model_len, num_blocks=self.engine_blocks, dtype=self.dtype,
                             core=i % cores if self.workers <= cores else None,
                             kv_transfer_config=self.kv_transfer_config(i, worker) if self.kv_transfer_config else None,
                             kv_events_config=self.kv_events_config(i, worker) if self.kv_events_config else None,
@@ -103,8 +104,10 @@ async def _warm(session: aiohttp.ClientSession, engines: Sequence[VllmEngine], s
 
 async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served_name: str,
                        router: LeastOutstanding | PlannerRouter, *, name: str,
-                       progress: Callable[[int], None] = lambda n: None) -> RunResult:
-    """Send the workload's requests at their arrival times; returns every request as served."""
+                       progress: Callable[[int], None] = lambda n: None, settle_s: float = 2.0) -> RunResult:
+    """Serve the warm-up one request after another, wait ``settle_s`` (the calibration publishes its fit),
+    then send the measured requests at their arrival times (relative to the first measured one);
+    returns every request as served."""
     loads = Loads.of(len(engines))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -114,8 +117,8 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
         t0 = time.monotonic()
         started_at = time.time()
 
-        async def one(r: ReplayRequest) -> None:
-            delay = t0 + r.arrival_s - time.monotonic()
+        async def one(r: ReplayRequest, at: float) -> None:
+            delay = at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             rid = r.request_id
@@ -130,8 +133,18 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
             served.append(Served(r, i, routed, done))
             progress(1)
 
+        warmup = [r for r in workload.requests if r.warmup]
+        measured = [r for r in workload.requests if not r.warmup]
         try:
-            await asyncio.gather(*(one(r) for r in workload.requests))
+            # The warm-up one request at a time: each prefill runs alone, so the engines' timings
+            # are clean and the cost model is fitted before the measured requests arrive.
+            for r in warmup:
+                await one(r, 0.0)
+            if warmup:
+                await asyncio.sleep(settle_s)
+            t1 = time.monotonic()
+            first = measured[0].arrival_s if measured else 0.0
+            await asyncio.gather(*(one(r, t1 + r.arrival_s - first) for r in measured))
         finally:
             await router.stop()
         wall = time.monotonic() - t0

@@ -15,8 +15,9 @@ first N such conversations instead; ``follow_ups=False`` takes the trace's first
 come. Arrivals follow the trace's timestamps divided by ``time_scale``, with idle gaps longer
 than ``max_gap_s`` shortened to it (a selection drops the requests between two turns, which
 would otherwise leave the engines idle for minutes). The first ``warmup`` requests are the
-warm-up: served and recorded, excluded from the figures (the cost model learns the engines on
-them).
+warm-up: served one after another (each prefill alone on its engine), recorded, and excluded
+from the figures (the cost model learns the engines on them); the measured requests then arrive
+at their trace offsets from the first measured one.
 """
 
 from __future__ import annotations
