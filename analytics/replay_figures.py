@@ -47,6 +47,7 @@ class ReplayFigures:
     median_ttft_rel_error_warmup: float | None
     median_ttft_rel_error: float | None  # measured requests that were predicted
     unpredicted: int  # measured requests decided without a cost profile (no prediction to compare)
+    median_routing_s: float | None  # the NexusKV run's routing round trip (included in its TTFT)
     actions: dict[str, int]
     reused_tokens_by_tier: dict[str, int]
     transfers_planned: int  # loads the engines' connectors decided (measured requests)
@@ -86,7 +87,8 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         "avg(observed_eg_s) FILTER (WHERE NOT warmup), sum(observed_eg_s) FILTER (WHERE NOT warmup), "
         "sum(predicted_eg_s) FILTER (WHERE NOT warmup), "
         "median(ttft_rel_error) FILTER (WHERE warmup), median(ttft_rel_error) FILTER (WHERE NOT warmup), "
-        "count(*) FILTER (WHERE NOT warmup AND NOT coalesce(predicted, false)) "
+        "count(*) FILTER (WHERE NOT warmup AND NOT coalesce(predicted, false)), "
+        "median(routing_s) FILTER (WHERE NOT warmup) "
         "FROM replay_comparison WHERE replay_id = ?", [replay_id]).fetchall()[0]
     decided = ("SELECT d.* FROM replay_requests r JOIN (SELECT * FROM decisions QUALIFY row_number() OVER "
                "(PARTITION BY request_id ORDER BY revision DESC) = 1) d ON d.request_id = r.decision_id "
@@ -106,7 +108,8 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         replay_id=replay_id, measured=_runs(con, replay_id, "measured"), warmup=_runs(con, replay_id, "warm-up"),
         compared=int(one[0] or 0), differing_outputs=int(one[1] or 0), mean_observed_eg_s=one[2],
         sum_observed_eg_s=one[3], sum_predicted_eg_s=one[4], median_ttft_rel_error_warmup=one[5],
-        median_ttft_rel_error=one[6], unpredicted=int(one[7] or 0), actions={k: int(v) for k, v in actions.items()},
+        median_ttft_rel_error=one[6], unpredicted=int(one[7] or 0), median_routing_s=one[8],
+        actions={k: int(v) for k, v in actions.items()},
         reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
         transfers_completed=completed, transfers_fell_back=fell_back,
         tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads})
@@ -135,11 +138,13 @@ def render(fig: ReplayFigures) -> str:
         lines.append(f"outputs differing between the runs: {fig.differing_outputs} (of every request in both)")
         lines.append(f"observed EG (baseline TTFT - NexusKV TTFT, same request): mean {_s(fig.mean_observed_eg_s)}, "
                      f"sum {_s(fig.sum_observed_eg_s)}; predicted EG sum {_s(fig.sum_predicted_eg_s)}")
-    lines.append("median relative error of the predicted TTFT: warm-up "
+    lines.append("median relative error of the predicted time from decision to first token: warm-up "
                  + ("-" if fig.median_ttft_rel_error_warmup is None else f"{fig.median_ttft_rel_error_warmup:.1%}")
                  + ", after warm-up "
                  + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}")
-                 + (f" ({fig.unpredicted} measured requests decided without a cost profile)" if fig.unpredicted else ""))
+                 + (f" ({fig.unpredicted} measured requests decided without a cost profile)" if fig.unpredicted else "")
+                 + ("" if fig.median_routing_s is None else
+                    f"; routing round trip (in NexusKV's TTFT) median {fig.median_routing_s * 1e3:.0f} ms"))
     if fig.actions:
         lines.append("NexusKV decisions: " + ", ".join(f"{k} {v}" for k, v in fig.actions.items())
                      + "; tokens reused by source tier: "

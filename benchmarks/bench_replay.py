@@ -25,9 +25,10 @@ from pathlib import Path
 import duckdb
 
 from analytics.replay_figures import ReplayFigures, render, replay_figures
-from benchmarks._result import write_result
 from nexuskv.config import Settings
 from streams.app.replay.session import ReplayConfig, run_replay
+
+from benchmarks._result import write_result
 
 TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace_head1000.jsonl"
 
@@ -79,9 +80,10 @@ def main() -> None:
     write_result("replay_ttft_p99", "p99 TTFT of the default replay's measured requests, vLLM + NexusKV", "s",
                  med("nexuskv_p99_ttft_s"), "vLLM alone (prefix caching, least-outstanding routing)",
                  med("baseline_p99_ttft_s"), command, details)
-    print(f"median over {args.runs} runs: mean TTFT {med('nexuskv_mean_ttft_s'):.3f} s vs {med('baseline_mean_ttft_s'):.3f} s "
-          f"({med('nexuskv_mean_ttft_s') / med('baseline_mean_ttft_s'):.3f}x); p99 {med('nexuskv_p99_ttft_s'):.3f} s vs "
-          f"{med('baseline_p99_ttft_s'):.3f} s; median prediction error {med('median_ttft_rel_error'):.1%}")
+    mean_n, mean_b = med("nexuskv_mean_ttft_s"), med("baseline_mean_ttft_s")
+    p99_n, p99_b = med("nexuskv_p99_ttft_s"), med("baseline_p99_ttft_s")
+    print(f"median over {args.runs} runs: mean TTFT {mean_n:.3f} s vs {mean_b:.3f} s ({mean_n / mean_b:.3f}x); "
+          f"p99 {p99_n:.3f} s vs {p99_b:.3f} s; median prediction error {med('median_ttft_rel_error'):.1%}")
 
 
 if __name__ == "__main__":

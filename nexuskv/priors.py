@@ -219,7 +219,8 @@ def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
                 continue
             links[(p, tier, Tier.GPU)] = LinkCost(
                 p, tier, Tier.GPU, write.params, interference=write.interference,
-                label=f"assumed: the reverse of the measured gpu->{tier.value} link ({write.observations} observations)")
+                label=f"assumed: the reverse of the measured gpu->{tier.value} link "
+                      f"({write.observations} observations)")
             added.append(f"{p}:{tier.value}->gpu")
     if not added:
         return model

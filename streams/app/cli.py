@@ -197,8 +197,8 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from streams.broker import open_bus
     from streams.app.services import start_services
+    from streams.broker import open_bus
     from streams.remote_tier import local_address
     from streams.topics import ensure_topics
 

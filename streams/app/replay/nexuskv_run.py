@@ -30,7 +30,6 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from analytics.store import DecisionStore
@@ -63,7 +62,8 @@ def replay_descriptor(model_dir: Path, *, block_size: int, tenant: str, dtype: s
     connector checks it against the KV cache vLLM allocated and refuses to start on a mismatch."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     return descriptor_from_hf_config(config, model=str(model_dir), block_size=block_size, tenant=tenant,
-                                     engine_family="vllm", layout=LAYOUT, kv_dtype=None if dtype == "auto" else dtype)
+                                     engine_family="vllm", layout=LAYOUT,
+                                     kv_dtype=None if dtype == "auto" else dtype)
 
 
 class _Bridge:
@@ -135,7 +135,8 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                    "NEXUSKV_CALIBRATION_PUBLISH": "0.5", "NEXUSKV_INDEX_SOCKET": str(socket)}
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
-        engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir), "NEXUSKV_INDEX_SOCKET": str(socket),
+        engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir),
+                      "NEXUSKV_INDEX_SOCKET": str(socket),
                       # vLLM imports the connector by module name: the same NexusKV as this process.
                       "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)}
 

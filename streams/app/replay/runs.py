@@ -23,17 +23,14 @@ import asyncio
 import hashlib
 import json
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from analytics.store import DecisionStore
-from nexuskv.descriptor import StateDescriptor
 from streams.app.replay.client import Completion, complete
-from streams.app.replay.engines import CONNECTOR_CLASS, CONNECTOR_MODULE, EngineConfig, VllmEngine
+from streams.app.replay.engines import EngineConfig, VllmEngine
 from streams.app.replay.routing import LeastOutstanding, Loads, PlannerRouter, Routed
 from streams.app.replay.workload import ReplayRequest, Workload
 
