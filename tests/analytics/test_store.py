@@ -139,4 +139,4 @@ def test_a_later_revision_supersedes_the_admission_plan(tmp_path):
         assert store.query("SELECT count(*) FROM decisions WHERE request_id = 'r1'") == [(2,)]
         assert store.query("SELECT action, revision, reason FROM request_outcomes WHERE request_id = 'r1'") == [
             ("recompute", 1, "prefetch missed")]
-        assert store.query("SELECT count(*) FROM request_outcomes") == [(3,)]
+        assert store.query("SELECT count(*) FROM request_outcomes") == [(4,)]
