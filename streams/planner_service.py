@@ -187,7 +187,8 @@ class DispatchDelays:
     Two measurements: a command's own, ``started_at - issued_at`` from its result (per destination
     worker: the bus, the executor's queue), and every plan request's trip to this planner
     (``now - arrival_at``: the same bus, a lower bound for a command's). The estimate for a worker
-    is the larger of its commands' moving mean and the requests'. Without it a deadline is a copy
+    is the larger of its commands' moving mean and the requests'; before its first result, twice
+    the requests' (a trip, then the executor's poll and queue, assumed as long). Without it a deadline is a copy
     time after the decision, and a command that spends longer on the bus is refused unstarted
     ("deadline passed before the transfer started").
     """
@@ -220,7 +221,9 @@ class DispatchDelays:
         self.by_worker[worker] = delay if was is None else was + self.ALPHA * (delay - was)
 
     def estimates(self, workers: Iterable[str]) -> dict[str, float]:
-        return {w: max(self.by_worker.get(w, 0.0), self.bus_s) for w in workers}
+        # Before a worker's first command result: a trip over the bus and as long again for the
+        # executor's poll and queue (assumed); after it, what its commands took, never below a trip.
+        return {w: max(self.by_worker[w], self.bus_s) if w in self.by_worker else 2.0 * self.bus_s for w in workers}
 
 
 class PlannerCore:

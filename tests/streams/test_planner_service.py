@@ -213,7 +213,7 @@ def test_dispatch_delays_are_measured_per_destination_and_never_below_the_bus():
     d.started("t1", started_at=200.0)  # a duplicate result changes nothing
     d.started("unknown", started_at=100.0)
     est = d.estimates(["w1", "w2"])
-    assert est["w1"] == pytest.approx(0.5) and est["w2"] == pytest.approx(0.3 * 0.02)
+    assert est["w1"] == pytest.approx(0.5) and est["w2"] == pytest.approx(2 * 0.3 * 0.02)  # no result yet: 2 trips
     d.issued("t2", "w1", issued_at=101.0)
     d.started("t2", started_at=101.1)
     assert d.estimates(["w1"])["w1"] == pytest.approx(0.5 + 0.3 * (0.1 - 0.5))
