@@ -67,15 +67,15 @@ def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
                             [name]).fetchall()[0][0])
 
 
-def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
-    """Write the four PNG plots under ``out_dir``; returns their paths."""
+def _plotting(out_dir: Path) -> tuple[Any, list[Path], Any]:
+    """matplotlib (headless), the list of files written, and ``save(fig, name)`` that writes one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
 
     def save(fig: Any, name: str) -> None:
         path = out_dir / name
@@ -83,6 +83,13 @@ def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+
+    return plt, paths, save
+
+
+def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
+    """Write the four PNG plots under ``out_dir``; returns their paths."""
+    plt, paths, save = _plotting(out_dir)
 
     rows = con.execute("SELECT eg_s, observed_eg_s FROM request_outcomes").fetchall()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -134,20 +141,7 @@ def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
 
 def write_replay_plots(con: duckdb.DuckDBPyConnection, out_dir: Path, replay_id: str) -> list[Path]:
     """The replay's plots: TTFT CDFs of both runs, EG predicted vs observed, prediction error over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-
-    def save(fig: Any, name: str) -> None:
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+    plt, paths, save = _plotting(out_dir)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for run, values in con.execute(
