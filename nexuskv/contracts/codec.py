@@ -19,11 +19,17 @@ import msgpack
 import pydantic
 
 from nexuskv.contracts.base import Contract, contract_error
-from nexuskv.contracts.keyed_events import KEYED_SCHEMA_VERSION, KeyedBatch, decode_keyed, encode_keyed, is_keyed_payload
+from nexuskv.contracts.keyed_events import (
+    KEYED_SCHEMA_VERSION,
+    KeyedBatch,
+    decode_keyed,
+    encode_keyed,
+    is_keyed_payload,
+)
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError, SchemaVersionError
 
-__all__ = ["MAX_PAYLOAD_BYTES", "encode", "decode", "decode_raw"]
+__all__ = ["MAX_PAYLOAD_BYTES", "decode", "decode_raw", "encode"]
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 

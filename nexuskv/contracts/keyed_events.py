@@ -50,24 +50,24 @@ from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
 
 __all__ = [
-    "KEYED_SCHEMA_VERSION",
-    "KeyedStored",
-    "TierStored",
-    "Removed",
-    "Cleared",
-    "SnapshotMark",
-    "KeyedEvent",
-    "KeyedBatch",
-    "KEY_BYTES",
     "HASH_BYTES",
+    "KEYED_SCHEMA_VERSION",
+    "KEY_BYTES",
     "TOKEN_BYTES",
-    "pack_hashes",
-    "unpack_hashes",
-    "encode_keyed",
+    "Cleared",
+    "KeyedBatch",
+    "KeyedEvent",
+    "KeyedStored",
+    "Removed",
+    "SnapshotMark",
+    "TierStored",
     "decode_keyed",
+    "encode_keyed",
     "is_keyed_payload",
     "keyed_schema",
+    "pack_hashes",
     "to_jsonable",
+    "unpack_hashes",
 ]
 
 KEYED_SCHEMA_VERSION = 2
