@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -145,6 +145,14 @@ class Settings(BaseModel):
         "publisher-key NAME`), for engine hosts that should not hold NEXUSKV_BUS_SECRET. Used before the "
         "bus secret.",
         "",
+    )
+    kv_events_tokens: Literal["off", "on"] = _env(
+        "NEXUSKV_KV_EVENTS_TOKENS",
+        "Whether kv-events publishers put token ids on the bus beside the canonical keys: `off` (the "
+        "default) or `on`. Token ids are prompt content: no NexusKV consumer needs them (blocks are keyed "
+        "by their publisher), so turn this on only for a consumer of your own that does, and treat the "
+        "kv-events topic as holding prompts then.",
+        "off",
     )
     data_dir: Path = _env(
         "NEXUSKV_DATA_DIR", "Folder for local state: index snapshots, tier files, DuckDB.", Path(".nexuskv")
@@ -381,6 +389,11 @@ class Settings(BaseModel):
     @property
     def broker_url(self) -> BrokerUrl | None:
         return parse_broker_url(self.broker) if self.broker else None
+
+    @property
+    def kv_event_tokens(self) -> bool:
+        """Whether publishers put token ids on the bus (``NEXUSKV_KV_EVENTS_TOKENS=on``)."""
+        return self.kv_events_tokens == "on"
 
     @property
     def identity_secret_bytes(self) -> bytes:
