@@ -56,7 +56,7 @@ from pydantic import TypeAdapter
 from nexuskv.contracts import codec, keyed_events, kv_signature
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import MAX_EVENTS_PER_BATCH, KvEvent, KvEventBatch
-from nexuskv.contracts.topics import Topic
+from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.errors import ContractError, SchemaVersionError, UnauthenticatedError
 
 __all__ = ["INLINE_BYTES", "SLICE_S", "KvIntake", "Slicer", "partition_of"]
@@ -270,8 +270,12 @@ async def _decode_sliced(raw: bytes, slicer: Slicer) -> KvEventBatch:
     if "schema_version" not in envelope:
         raise SchemaVersionError("schema_version is missing", path="schema_version")
     version = envelope["schema_version"]
+    if version == keyed_events.KEYED_SCHEMA_VERSION and not isinstance(version, bool):
+        # A version 2 map another encoder ordered differently (msgspec's own starts with its version and
+        # takes _decode_keyed_sliced): msgspec decodes it in one call, ~1 ms per MB.
+        return codec.decode(KV_EVENTS, raw)
     if version != 1 or isinstance(version, bool):
-        raise SchemaVersionError(f"schema_version {version!r} is not supported (this build reads 1)",
+        raise SchemaVersionError(f"schema_version {version!r} is not supported (this build reads 1, 2)",
                                  path="schema_version")
     head = KvEventBatch.model_validate({**envelope, "events": ()})
     if not isinstance(events, list):
