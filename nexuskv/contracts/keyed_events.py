@@ -95,6 +95,11 @@ class KeyedStored(msgspec.Struct, tag_field="type", tag="stored", frozen=True, f
     computed by the publisher in the scope of the batch identity with this event's overrides.
     """
 
+    @property
+    def type(self) -> str:
+        """The event's tag (``stored``), as version 1's events name theirs."""
+        return "stored"
+
     engine_hashes: Hashes
     keys: Keys
     block_size: Annotated[int, Meta(ge=1, le=1 << 16)]
@@ -120,6 +125,11 @@ class KeyedStored(msgspec.Struct, tag_field="type", tag="stored", frozen=True, f
 class TierStored(msgspec.Struct, tag_field="type", tag="tier", frozen=True, forbid_unknown_fields=True):
     """Blocks this publisher announced (by engine hash) are now also present in ``tier``."""
 
+    @property
+    def type(self) -> str:
+        """The event's tag (``tier``), as version 1's events name theirs."""
+        return "tier"
+
     engine_hashes: Hashes
     tier: Tier
     group: Group = 0
@@ -133,6 +143,11 @@ class TierStored(msgspec.Struct, tag_field="type", tag="tier", frozen=True, forb
 
 class Removed(msgspec.Struct, tag_field="type", tag="removed", frozen=True, forbid_unknown_fields=True):
     """Engine hashes no longer present in this publisher's ``tier`` and ``group``."""
+
+    @property
+    def type(self) -> str:
+        """The event's tag (``removed``), as version 1's events name theirs."""
+        return "removed"
 
     engine_hashes: Hashes
     tier: Tier = Tier.GPU
@@ -148,11 +163,21 @@ class Removed(msgspec.Struct, tag_field="type", tag="removed", frozen=True, forb
 class Cleared(msgspec.Struct, tag_field="type", tag="cleared", frozen=True, forbid_unknown_fields=True):
     """Everything of this publisher (in ``tier`` when given) is gone."""
 
+    @property
+    def type(self) -> str:
+        """The event's tag (``cleared``), as version 1's events name theirs."""
+        return "cleared"
+
     tier: Tier | None = None
 
 
 class SnapshotMark(msgspec.Struct, tag_field="type", tag="snapshot", frozen=True, forbid_unknown_fields=True):
     """``begin``: the publisher's facts are being replaced (uncertain until ``end``)."""
+
+    @property
+    def type(self) -> str:
+        """The event's tag (``snapshot``), as version 1's events name theirs."""
+        return "snapshot"
 
     phase: Literal["begin", "end"]
 
