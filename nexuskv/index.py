@@ -64,7 +64,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -90,15 +90,8 @@ from nexuskv.index_core import make_core, resolve_backend
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
-__all__ = [
-    "CHECKPOINT_VERSION",
-    "FORGET_POLICY",
-    "ApplyOutcome",
-    "GlobalIndex",
-    "IndexStats",
-    "KeyedBlocks",
-    "PublisherStatus",
-]
+__all__ = ["GlobalIndex", "ApplyOutcome", "PublisherStatus", "IndexStats", "KeyedBlocks", "FORGET_POLICY",
+           "CHECKPOINT_VERSION"]
 
 FORGET_POLICY = "sweep"
 _MATCH_CACHE_MAX = 1 << 16

@@ -59,7 +59,7 @@ from nexuskv.contracts.kv_events import MAX_EVENTS_PER_BATCH, KvEvent, KvEventBa
 from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.errors import ContractError, SchemaVersionError, UnauthenticatedError
 
-__all__ = ["INLINE_BYTES", "SLICE_S", "KvIntake", "Slicer", "partition_of"]
+__all__ = ["KvIntake", "Slicer", "partition_of", "INLINE_BYTES", "SLICE_S"]
 
 _CACHE = 1 << 14
 INLINE_BYTES = 32 << 10  # payloads up to this size decode in one go (well under a millisecond or two)
@@ -76,7 +76,7 @@ _TYPE_OF_FIRST_BYTE = (((0x90, 0x9F), "list"), ((0xDC, 0xDD), "list"), ((0xA0, 0
 class Slicer:
     """Yields to the event loop once ``slice_s`` of work has passed since the last yield."""
 
-    __slots__ = ("_began", "pauses", "slice_s")
+    __slots__ = ("slice_s", "_began", "pauses")
 
     def __init__(self, slice_s: float = SLICE_S) -> None:
         self.slice_s = slice_s
@@ -200,7 +200,8 @@ def _chunk_error(exc: pydantic.ValidationError, offset: int) -> ContractError:
         loc[0] += offset
     path = ".".join(str(p) for p in ["events", *loc])
     msg = str(first.get("msg", "invalid"))
-    msg = msg.removeprefix("Value error, ")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
     suffix = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     err = ContractError(f"KvEventBatch.{path}: {msg}{suffix}")
     err.path = path

@@ -29,7 +29,7 @@ from nexuskv.contracts.keyed_events import (
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError, SchemaVersionError
 
-__all__ = ["MAX_PAYLOAD_BYTES", "decode", "decode_raw", "encode"]
+__all__ = ["MAX_PAYLOAD_BYTES", "encode", "decode", "decode_raw"]
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
