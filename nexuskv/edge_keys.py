@@ -17,7 +17,9 @@ bounded (``max_blocks``); past it the oldest 1/16 of blocks are forgotten (``for
 a run hanging from a forgotten block is then unresolved, a miss again.
 
 Tier events, removals and clears pass through as their version 2 forms: the index resolves
-engine hashes itself. Pure: no I/O, no clock.
+engine hashes itself. Consecutive removals from one (tier, group) are merged into one event (up
+to 4,096 hashes; vLLM emits one event per evicted block): the same removals in the same order, at
+one event's decode and apply cost instead of one per block. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ from nexuskv.contracts.keyed_events import (
     TierStored,
     pack_hashes,
 )
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity, Snapshot
+from nexuskv.contracts.kv_events import (
+    MAX_BLOCKS_PER_EVENT,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    PublisherIdentity,
+    Snapshot,
+)
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError, IdentityError
 from nexuskv.identity import BlockKeyer, IdentityScope
@@ -102,7 +112,23 @@ class EdgeKeyer:
 
     def key_events(self, identity: PublisherIdentity, events: Iterable[object]) -> list[KeyedEvent]:
         out: list[KeyedEvent] = []
+        run: list[int] = []  # engine hashes of the removal run being merged
+        where: tuple[Tier, int] | None = None
+
+        def close() -> None:
+            if run:
+                out.append(Removed(engine_hashes=pack_hashes(run), tier=where[0], group=where[1]))
+                run.clear()
+
         for e in events:
+            if isinstance(e, BlockRemoved):
+                self._removed(e.engine_hashes, self._bit(e.tier, e.group))
+                if where != (e.tier, e.group) or len(run) + len(e.engine_hashes) > MAX_BLOCKS_PER_EVENT:
+                    close()
+                    where = (e.tier, e.group)
+                run.extend(e.engine_hashes)
+                continue
+            close()
             if isinstance(e, BlockStored):
                 if e.is_tier_event:
                     self._tier(e.engine_hashes, self._bit(e.tier, e.group))
@@ -111,9 +137,6 @@ class EdgeKeyer:
                     keyed = self._stored(identity, e)
                     if keyed is not None:
                         out.append(keyed)
-            elif isinstance(e, BlockRemoved):
-                self._removed(e.engine_hashes, self._bit(e.tier, e.group))
-                out.append(Removed(engine_hashes=pack_hashes(e.engine_hashes), tier=e.tier, group=e.group))
             elif isinstance(e, AllCleared):
                 self._cleared(e.tier)
                 out.append(Cleared(tier=e.tier))
@@ -123,6 +146,7 @@ class EdgeKeyer:
                 out.append(SnapshotMark(phase=e.phase))
             else:
                 raise TypeError(f"not a kv event: {type(e).__name__}")
+        close()
         return out
 
     def parent_key(self, engine_hash: int) -> bytes | None:

@@ -94,3 +94,14 @@ def test_bounded_map_forgets_oldest():
         keyer.key_events(IDENTITY, [BlockStored(engine_hashes=(i,), token_ids=(i, i), block_size=BS)])
     assert len(keyer) <= 32 and keyer.stats.forgotten_blocks >= 8
     assert keyer.parent_key(0) is None and keyer.parent_key(39) is not None
+
+
+def test_consecutive_removals_of_one_tier_merge():
+    keyer = EdgeKeyer(SECRET)
+    gpu = [BlockRemoved(engine_hashes=(h,)) for h in range(5)]
+    host = BlockRemoved(engine_hashes=(7,), tier=Tier.HOST)
+    out = keyer.key_events(IDENTITY, [*gpu, host, BlockRemoved(engine_hashes=(8,), tier=Tier.HOST),
+                                      BlockStored(engine_hashes=(1,), token_ids=(1, 2), block_size=BS), gpu[0]])
+    assert [(type(e).__name__, e.tier, unpack_hashes(e.engine_hashes)) for e in out] == [
+        ("Removed", Tier.GPU, [0, 1, 2, 3, 4]), ("Removed", Tier.HOST, [7, 8]), ("KeyedStored", Tier.GPU, [1]),
+        ("Removed", Tier.GPU, [0])]
