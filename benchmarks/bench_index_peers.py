@@ -8,7 +8,11 @@ of 8 workers), sent to each index as stored-block events of at most 4,096 blocks
 
 * **NexusKV** — :class:`~nexuskv.index.GlobalIndex` (native core) applying
   :class:`~nexuskv.index.KeyedBlocks` events: 16-byte canonical keys computed at the edge and
-  8-byte engine hashes, packed as bytes, one publisher batch per prompt. After the timed ingest,
+  8-byte engine hashes, packed as bytes, one publisher batch per prompt. A second ingest figure
+  (``wire``) starts from the records' bytes, as the index worker and the replicas do: each
+  prompt's kv-events version 2 payload (:mod:`nexuskv.contracts.keyed_events`, built before the
+  clock starts) is decoded by ``codec.decode`` and applied with ``GlobalIndex.apply``, the whole
+  consumer path, as Dynamo's figure includes its JSON parse. After the timed ingest,
   a quarter of the prompts also get a host-tier event (their first 4,096 blocks offloaded), so
   NexusKV holds more memberships than Dynamo and answers with tiers.
 * **Dynamo** — ``RadixTree.apply_event(worker_id, json_bytes)`` with its ``stored`` event JSON
@@ -45,7 +49,10 @@ import tracemalloc
 import numpy as np
 
 from benchmarks._result import write_result
+from nexuskv.contracts import codec
+from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, encode_keyed
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, PublisherIdentity
+from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
@@ -117,6 +124,34 @@ def nexuskv_build(prompts: list[Prompt], *, trace: bool = False) -> tuple[Global
         traced = tracemalloc.get_traced_memory()[0] - traced0
         tracemalloc.stop()
     return index, sum(p.n for p in prompts) / elapsed, traced
+
+
+def nexuskv_payloads(prompts: list[Prompt]) -> list[bytes]:
+    """Each prompt's batch as the kv-events version 2 record value its publisher sends."""
+    out, seq = [], [0] * WORKERS
+    for p in prompts:
+        events = tuple(
+            KeyedStored(engine_hashes=p.hashes[s:s + EVENT_BLOCKS].astype("<u8").tobytes(),
+                        keys=p.keys[16 * s:16 * min(p.n, s + EVENT_BLOCKS)], block_size=BS)
+            for s in range(0, p.n, EVENT_BLOCKS))
+        out.append(encode_keyed(KeyedBatch(publisher=f"worker-{p.worker}", incarnation=1, seq=seq[p.worker], ts=0.0,
+                                           identity=IDENT, events=events)))
+        seq[p.worker] += 1
+    return out
+
+
+def nexuskv_build_wire(prompts: list[Prompt]) -> float:
+    """Blocks per second from record bytes to an applied index (decode + apply)."""
+    payloads = nexuskv_payloads(prompts)
+    gc.collect()
+    index = GlobalIndex(secret=b"bench", seed=bytes(range(32)))
+    decode, apply = codec.decode, index.apply
+    t0 = time.perf_counter()
+    for raw in payloads:
+        apply(decode(KV_EVENTS, raw))
+    elapsed = time.perf_counter() - t0
+    assert index.stats().blocks == sum(p.n for p in prompts)
+    return sum(p.n for p in prompts) / elapsed
 
 
 # -- Dynamo --------------------------------------------------------------------------------------------
@@ -288,6 +323,8 @@ def run_once(args: argparse.Namespace) -> dict:
     _, _, python_side = nexuskv_build(prompts, trace=True)  # memory: a traced build, dropped
     _, _, base_traced = dict_build(prompts, trace=True)
     gc.collect()
+    wire_rate = nexuskv_build_wire(prompts)
+    gc.collect()
     ours, ours_rate, _ = nexuskv_build(prompts)
     tree, dyn_rate, dyn_rss = dynamo_build(prompts)
     base, base_rate, _ = dict_build(prompts)
@@ -298,7 +335,8 @@ def run_once(args: argparse.Namespace) -> dict:
     print(f"resident: {stored:,} blocks stored by {WORKERS} workers; NexusKV {members:,} memberships "
           f"({ours.stats().blocks:,} blocks)")
     print(f"ingest of pre-keyed stored blocks: NexusKV {ours_rate / 1e6:.2f} M/s, Dynamo {dyn_rate / 1e6:.2f} M/s "
-          f"(JSON), dict {base_rate / 1e6:.2f} M/s; ratio vs Dynamo {ours_rate / dyn_rate:.2f}")
+          f"(JSON), dict {base_rate / 1e6:.2f} M/s; ratio vs Dynamo {ours_rate / dyn_rate:.2f}; from v2 record bytes "
+          f"(decode + apply) {wire_rate / 1e6:.2f} M/s, ratio {wire_rate / dyn_rate:.2f}")
     print(f"bytes per membership: NexusKV {per_member:.1f} (core {core_nbytes / members:.1f} + Python "
           f"{python_side / members:.1f}); dict {base_traced / members:.1f}; Dynamo RSS growth "
           f"{dyn_rss / stored:.1f} per block")
@@ -334,6 +372,7 @@ def run_once(args: argparse.Namespace) -> dict:
     print(f"churn at ~1M resident (store 512-block prompts, evict as many): NexusKV {churn_ours / 1e6:.2f} M block "
           f"ops/s, Dynamo {churn_dyn / 1e6:.2f} M/s; ratio {churn_ours / churn_dyn:.2f}")
     out = {"stored": stored, "memberships": members, "ingest": (ours_rate, dyn_rate, base_rate),
+           "ingest_wire": (wire_rate, dyn_rate),
            "churn": (churn_ours, churn_dyn), "bytes": (per_member, base_traced / members),
            "core_nbytes": core_nbytes, "python_traced_bytes": python_side, "dynamo_rss_per_block": dyn_rss / stored}
     for q, i in (("p50", 0), ("p99", 1)):
@@ -369,7 +408,8 @@ def main() -> None:
     print(f"== medians of {args.runs} runs: lookup p50 NexusKV {med('p50', 0):.1f} / Dynamo {med('p50', 1):.1f} µs "
           f"(ratio {med('p50', 0) / med('p50', 1):.2f}), p99 {med('p99', 0):.1f} / {med('p99', 1):.1f} µs (ratio "
           f"{med('p99', 0) / med('p99', 1):.2f}); ingest {med('ingest', 0) / 1e6:.2f} / {med('ingest', 1) / 1e6:.2f} "
-          f"M/s (ratio {med('ingest', 0) / med('ingest', 1):.2f}); churn {med('churn', 0) / 1e6:.2f} / "
+          f"M/s (ratio {med('ingest', 0) / med('ingest', 1):.2f}), from v2 record bytes {med('ingest_wire', 0) / 1e6:.2f} M/s "
+          f"(ratio {med('ingest_wire', 0) / med('ingest_wire', 1):.2f}); churn {med('churn', 0) / 1e6:.2f} / "
           f"{med('churn', 1) / 1e6:.2f} M ops/s (ratio {med('churn', 0) / med('churn', 1):.2f}); bytes per membership "
           f"{med('bytes', 0):.1f} (dict {med('bytes', 1):.1f})")
     if args.no_write:
@@ -392,6 +432,12 @@ def main() -> None:
                           med("ingest", 2), "goal_ratio": 1.0,
                           "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
                                   "its JSON parse"})
+    write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
+                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s",
+                 med("ingest_wire", 0), "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)",
+                 med("ingest_wire", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
+                          "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
                  "512-block prompts, each with the eviction of a resident one", "ops/s", med("churn", 0),
                  "Dynamo RadixTree.apply_event, JSON stored + removed events", med("churn", 1), cmd,
