@@ -11,9 +11,10 @@ For each engine batch received in order (:mod:`connectors.zmq_events`), the brid
    the identity scope and the identity secret, ``NEXUSKV_IDENTITY_SECRET``) and publishes it as a
    version 2 :class:`~nexuskv.contracts.keyed_events.KeyedBatch` — canonical keys packed, no token
    ids unless ``NEXUSKV_KV_EVENTS_TOKENS=on`` — keyed by publisher, so one publisher's batches stay
-   ordered on one partition. A stored run whose parent this bridge's map does not hold (the bridge
-   restarted, or the map forgot it) is not published and is counted (``unresolved_blocks``): the
-   index would not have been able to key it either.
+   ordered on one partition. The keyer's map from engine hash to key is saved beside the state
+   file when the bridge stops cleanly and read back when it starts; a stored run whose parent the
+   map does not hold (the bridge crashed, or the map forgot it) is not published and is counted
+   (``unresolved_blocks``): a miss for the index, never a wrong hit.
 
 Clears concern the engine's own memory only. vLLM's ``AllBlocksCleared`` (a prefix-cache reset)
 empties its GPU cache and nothing else (vLLM's own CPU offload tier keeps its blocks), so it
@@ -52,6 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from aiokafka import AIOKafkaProducer
 
 from connectors.descriptors import publisher_identity, resolve_descriptor
@@ -235,6 +237,7 @@ class EventBridge:
                 self.stats["forwarded"] += 1
                 self.stats["block_ops"] += out.block_operations
             self._save_state()
+        self._save_keys()
 
     def _load_state(self) -> None:
         path = self.config.state_file
@@ -243,6 +246,28 @@ class EventBridge:
         data = json.loads(path.read_text())
         for topic, entry in data.get("publishers", {}).items():
             self._publishers[topic] = _Publisher(incarnation=int(entry["incarnation"]), next_seq=int(entry["next_seq"]))
+        keys = path.with_suffix(".keys")
+        if keys.is_file():
+            try:
+                saved = msgspec.msgpack.decode(keys.read_bytes(), type=dict[str, bytes])
+                for publisher, blob in saved.items():
+                    keyer = self._keyers[publisher] = EdgeKeyer(self.config.identity_secret,
+                                                                include_tokens=self.config.include_tokens)
+                    keyer.restore(blob)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                self._keyers.clear()
+                log.warning("%s: key map unreadable (%s): runs hanging from earlier blocks go unpublished", keys, exc)
+            keys.unlink()  # a map is good for the one restart after it was saved: later batches change it
+
+    def _save_keys(self) -> None:
+        """Save the publishers' key maps at a clean stop, so a restarted bridge still keys runs that hang
+        from blocks stored before it stopped (after a crash they are unresolved: misses, counted)."""
+        path = self.config.state_file
+        if path is None or not self._keyers:
+            return
+        tmp = path.with_suffix(".keys.tmp")
+        tmp.write_bytes(msgspec.msgpack.encode({p: k.export() for p, k in self._keyers.items()}))
+        os.replace(tmp, path.with_suffix(".keys"))
 
     def _save_state(self) -> None:
         path = self.config.state_file

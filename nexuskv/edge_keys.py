@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from nexuskv.contracts.keyed_events import (
     Cleared,
     KeyedBatch,
@@ -39,6 +41,7 @@ from nexuskv.contracts.keyed_events import (
     SnapshotMark,
     TierStored,
     pack_hashes,
+    unpack_hashes,
 )
 from nexuskv.contracts.kv_events import (
     MAX_BLOCKS_PER_EVENT,
@@ -148,6 +151,38 @@ class EdgeKeyer:
                 raise TypeError(f"not a kv event: {type(e).__name__}")
         close()
         return out
+
+    def export(self) -> bytes:
+        """The map as bytes (for a publisher that restarts without its engine: :meth:`restore`)."""
+        keys = list(self._held)
+        index = {k: i for i, k in enumerate(keys)}
+        hashes = [h for h in self._engine]
+        doc = {"v": 1, "bits": [[t.value, g, bit] for (t, g), bit in self._bits.items()],
+               "keys": b"".join(keys), "held": b"".join(self._held[k].to_bytes(8, "little") for k in keys),
+               "hashes": pack_hashes(hashes),
+               "owner": b"".join(index[self._engine[h]].to_bytes(4, "little") for h in hashes)}
+        return msgspec.msgpack.encode(doc)
+
+    def restore(self, data: bytes) -> None:
+        """Replace the map with an :meth:`export` (ValueError when it is not one)."""
+        try:
+            doc = msgspec.msgpack.decode(data)
+            assert doc["v"] == 1
+            bits = {(Tier(t), int(g)): int(b) for t, g, b in doc["bits"]}
+            raw = doc["keys"]
+            keys = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+            held = [int.from_bytes(doc["held"][8 * i:8 * i + 8], "little") for i in range(len(keys))]
+            hashes = unpack_hashes(doc["hashes"])
+            owner = [int.from_bytes(doc["owner"][4 * i:4 * i + 4], "little") for i in range(len(hashes))]
+            engine = {h: keys[o] for h, o in zip(hashes, owner, strict=True)}
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError, AssertionError, IndexError) as exc:
+            raise ValueError(f"not an edge keyer map: {type(exc).__name__}: {exc}") from None
+        self._bits = bits
+        self._held = dict(zip(keys, held, strict=True))
+        self._engine = engine
+        self._names = {}
+        for h, k in engine.items():
+            self._names.setdefault(k, []).append(h)
 
     def parent_key(self, engine_hash: int) -> bytes | None:
         """The key the publisher's map holds for ``engine_hash`` (None: unknown)."""

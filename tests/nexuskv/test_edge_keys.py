@@ -105,3 +105,17 @@ def test_consecutive_removals_of_one_tier_merge():
     assert [(type(e).__name__, e.tier, unpack_hashes(e.engine_hashes)) for e in out] == [
         ("Removed", Tier.GPU, [0, 1, 2, 3, 4]), ("Removed", Tier.HOST, [7, 8]), ("KeyedStored", Tier.GPU, [1]),
         ("Removed", Tier.GPU, [0])]
+
+
+def test_export_restore_keeps_the_map():
+    keyer = EdgeKeyer(SECRET)
+    keyer.key_events(IDENTITY, [BlockStored(engine_hashes=(1, 2), token_ids=(1, 2, 3, 4), block_size=BS),
+                                BlockStored(engine_hashes=(1,), block_size=BS, tier=Tier.HOST)])
+    again = EdgeKeyer(SECRET)
+    again.restore(keyer.export())
+    child = BlockStored(engine_hashes=(3,), parent=2, token_ids=(5, 6), block_size=BS)
+    assert again.key_events(IDENTITY, [child]) == keyer.key_events(IDENTITY, [child])
+    again.key_events(IDENTITY, [BlockRemoved(engine_hashes=(1,))])
+    assert again.parent_key(1) is not None  # still held on the host tier
+    with pytest.raises(ValueError, match="not an edge keyer map"):
+        again.restore(b"junk")
