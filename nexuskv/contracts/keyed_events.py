@@ -236,15 +236,13 @@ def _dec_hook(kind: type, obj: Any) -> Any:
     if kind is PublisherIdentity:
         if not isinstance(obj, dict):
             raise ValueError(f"identity: expected a map, got {type(obj).__name__}")
+        key = tuple(obj.items())  # in the order sent: a publisher sends the same order every time
         try:
-            key = tuple(sorted(obj.items()))
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None:
             hit = _IDENTITIES.get(key)
-            if hit is not None:
-                return hit
+        except TypeError:  # an unhashable value: not an identity, pydantic says why below
+            key, hit = None, None
+        if hit is not None:
+            return hit
         try:
             ident = PublisherIdentity.model_validate(obj)
         except ContractError as exc:
