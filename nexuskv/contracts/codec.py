@@ -26,6 +26,7 @@ from nexuskv.contracts.keyed_events import (
     encode_keyed,
     is_keyed_payload,
 )
+from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError, SchemaVersionError
 
@@ -34,9 +35,14 @@ __all__ = ["MAX_PAYLOAD_BYTES", "encode", "decode", "decode_raw"]
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
+def _carries_keyed(topic: Topic) -> bool:
+    """Whether ``topic`` is a kv-events topic (under any name) that reads version 2."""
+    return topic.contract is KvEventBatch and KEYED_SCHEMA_VERSION in topic.versions
+
+
 def encode(topic: Topic, value: Contract | KeyedBatch) -> bytes:
     """Serialise ``value`` for ``topic`` (its contract type is checked)."""
-    if isinstance(value, KeyedBatch) and KEYED_SCHEMA_VERSION in topic.versions and topic.name == "nexuskv.kv-events":
+    if isinstance(value, KeyedBatch) and _carries_keyed(topic):
         return encode_keyed(value)
     if not isinstance(value, topic.contract):
         raise ContractError(f"{topic.name} carries {topic.contract.__name__}, not {type(value).__name__}")
@@ -73,7 +79,7 @@ def decode_raw(topic: Topic, raw: bytes) -> dict[str, Any]:
 
 def decode(topic: Topic, raw: bytes) -> Contract | KeyedBatch:
     """Bytes to a validated contract value of ``topic`` (for kv-events, either version)."""
-    keyed = topic.name == "nexuskv.kv-events" and KEYED_SCHEMA_VERSION in topic.versions
+    keyed = _carries_keyed(topic)
     if keyed and isinstance(raw, (bytes, bytearray, memoryview)) and len(raw) <= MAX_PAYLOAD_BYTES \
             and is_keyed_payload(raw):
         return decode_keyed(raw)

@@ -154,3 +154,11 @@ def test_schema_documents_cover_both_versions():
     stored = v2["$defs"]["KeyedStored"]["properties"]
     assert stored["keys"]["contentEncoding"] == "base64" and "token_ids" not in v2["$defs"]["KeyedStored"]["required"]
     assert "nexuskv.kv-events.schema.json" in docs
+
+
+def test_a_renamed_kv_events_topic_reads_both_versions():
+    import dataclasses
+
+    renamed = dataclasses.replace(KV_EVENTS, name="test.kv-events.x")
+    b = batch()
+    assert codec.decode(renamed, codec.encode(renamed, b)) == b
