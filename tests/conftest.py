@@ -78,3 +78,12 @@ def remote_backend(remote_tier_address):
     yield backend
     backend.clear()
     backend.close()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The soak runs last. Its ``nexuskv up`` calibrates the session Kafka's shared cost-model topic from
+    the soak's synthetic timings (for Llama-3.1-8B on the H200 profile, what other tests price with the
+    shipped profile), and a calibration, once published, is what every later reader of the topic uses."""
+    soak = [item for item in items if "tests/benchmarks/test_soak.py" in item.nodeid]
+    if soak:
+        items[:] = [item for item in items if item not in soak] + soak
