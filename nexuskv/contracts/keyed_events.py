@@ -203,7 +203,8 @@ class KeyedBatch(msgspec.Struct, tag_field="schema_version", tag=KEYED_SCHEMA_VE
     @property
     def block_operations(self) -> int:
         """Blocks stored or removed by this batch (the unit of the index's throughput)."""
-        return sum(len(e.engine_hashes) for e in self.events if not isinstance(e, (Cleared, SnapshotMark))) // HASH_BYTES
+        blocks = (len(e.engine_hashes) for e in self.events if not isinstance(e, (Cleared, SnapshotMark)))
+        return sum(blocks) // HASH_BYTES
 
 
 def pack_hashes(hashes: Any) -> bytes:

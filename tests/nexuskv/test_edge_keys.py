@@ -64,7 +64,8 @@ def test_edge_keyed_index_equals_reference(backend, steps):
         assert index.apply(keyed).status == ref.apply(batch)
         for s in scopes:
             for i in range(len(PROMPTS)):
-                assert index.lookup(s, keys[(s.tenant_namespace, i)]) == ref.lookup(s, keys[(s.tenant_namespace, i)]), op
+                want = keys[(s.tenant_namespace, i)]
+                assert index.lookup(s, want) == ref.lookup(s, want), op
         assert index.facts() == ref.nonempty_facts()
 
 
@@ -85,7 +86,8 @@ def test_keys_tokens_and_passthrough():
     assert keyer.stats.keyed_blocks == 4 and keyer.stats.unresolved_blocks == 1
     # 13 left its only tier: a run hanging from it can no longer be keyed, as the index would refuse it.
     assert keyer.parent_key(13) is None and keyer.parent_key(12) == want[1]
-    assert keyer.key_events(IDENTITY, [BlockStored(engine_hashes=(15,), parent=13, token_ids=(1, 2), block_size=BS)]) == []
+    orphaned = BlockStored(engine_hashes=(15,), parent=13, token_ids=(1, 2), block_size=BS)
+    assert keyer.key_events(IDENTITY, [orphaned]) == []
 
 
 def test_bounded_map_forgets_oldest():
