@@ -182,6 +182,12 @@ class Settings(BaseModel):
         "Most (block, location) memberships one index holds (~40-64 bytes each); beyond it the index "
         "forgets blocks (policy `sweep`) and counts them.", 16_000_000, ge=1, le=1 << 34,
     )
+    index_expected_blocks: int = _env(
+        "NEXUSKV_INDEX_EXPECTED_BLOCKS",
+        "Blocks the index worker and every index replica size their block table for at start (~40 bytes "
+        "each, allocated lazily by the OS), so ingest up to that many never stops to grow the table "
+        "(growing from empty halves the ingest rate at 1M blocks); 0: grow as blocks arrive.", 0, ge=0, le=1 << 31,
+    )
     index_checkpoint_interval_s: float = _env(
         "NEXUSKV_INDEX_CHECKPOINT_INTERVAL",
         "Seconds between the index worker's per-partition checkpoints (under NEXUSKV_DATA_DIR/index); "
