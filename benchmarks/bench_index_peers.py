@@ -32,7 +32,10 @@ length of the matched prefix (it stops at the first miss). Figures: ingest block
 p99 (median over the rounds), bytes per membership (the native core's allocated capacity plus the
 Python side's traced bytes).
 
-Run: ``python -m benchmarks.bench_index_peers [--rounds 3] [--lookups 2000] [--no-write]``
+Run: ``python -m benchmarks.bench_index_peers [--rounds 3] [--lookups 2000] [--no-write]``;
+``--ingest-only --runs 7``: only the three ingest figures, each run building NexusKV's three indexes
+and Dynamo's tree back to back on the same prompts (the figures least disturbed by a shared
+machine's load drifting between them), written as the same result files.
 """
 
 from __future__ import annotations
@@ -386,18 +389,78 @@ def run_once(args: argparse.Namespace) -> dict:
     return out
 
 
+def ingest_once() -> dict:
+    """One run of the ingest figures only: NexusKV in process, from v2 bytes, from v2 bytes sized; Dynamo."""
+    rng = np.random.default_rng(7)
+    prompts = [Prompt(i, LONG_BLOCKS if i < LONG else SHORT_BLOCKS, rng) for i in range(LONG + SHORT)]
+    stored = sum(p.n for p in prompts)
+    wire = nexuskv_build_wire(prompts)
+    gc.collect()
+    sized = nexuskv_build_wire(prompts, expected_blocks=stored)
+    gc.collect()
+    _, keyed, _ = nexuskv_build(prompts)
+    gc.collect()
+    tree, dyn, _ = dynamo_build(prompts)
+    del tree
+    print(f"ingest: in process {keyed / 1e6:.2f}, from v2 bytes {wire / 1e6:.2f}, sized {sized / 1e6:.2f} M/s; "
+          f"Dynamo {dyn / 1e6:.2f} M/s; ratios {keyed / dyn:.2f} / {wire / dyn:.2f} / {sized / dyn:.2f}")
+    return {"stored": stored, "ingest": (keyed, dyn, 0.0), "ingest_wire": (wire, dyn), "ingest_wire_sized": (sized, dyn)}
+
+
+def write_ingest(runs: list[dict], cmd: str, common: dict) -> None:
+    def med(key: str, i: int) -> float:
+        return statistics.median(run[key][i] for run in runs)
+
+    def per_run(key: str) -> list:
+        return [list(run[key]) for run in runs]
+
+    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
+                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
+                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
+                          **({"dict_baseline_blocks_per_s": med("ingest", 2)} if med("ingest", 2) else {}),
+                          "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
+                                  "its JSON parse"})
+    write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
+                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s",
+                 med("ingest_wire", 0), "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)",
+                 med("ingest_wire", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
+                          "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
+    write_result("index_peers_ingest_wire_sized", "ingest of pre-keyed stored blocks from kv-events v2 record "
+                 "bytes (codec.decode + GlobalIndex.apply) into an index sized for them up front (expected_blocks, "
+                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", med("ingest_wire_sized", 0),
+                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest_wire_sized", 1),
+                 cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
+                               "expected_blocks": runs[0]["stored"],
+                               "note": "both clocks start from bytes; NexusKV's block table sized for the resident "
+                                       "blocks before the clock starts (Dynamo's tree needs no sizing)"})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="complete measurements; figures are their medians")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--ingest-only", action="store_true", help="only the ingest figures (see the module docstring)")
     args = ap.parse_args()
     cmd = f"python -m benchmarks.bench_index_peers --runs {args.runs} --rounds {args.rounds} --lookups {args.lookups}"
     try:
         import dynamo._core  # noqa: F401
     except ImportError:
         raise SystemExit("bench_index_peers needs Dynamo's RadixTree: python -m pip install -e '.[bench]'") from None
+    if args.ingest_only:
+        runs = []
+        for r in range(args.runs):
+            print(f"-- ingest run {r + 1} of {args.runs}")
+            runs.append(ingest_once())
+            gc.collect()
+        if not args.no_write:
+            write_ingest(runs, f"python -m benchmarks.bench_index_peers --ingest-only --runs {args.runs}",
+                         {"resident_blocks": runs[0]["stored"], "workers": WORKERS, "runs": args.runs,
+                          "index_backend": "native", "load_average_at_end": os.getloadavg()})
+        return
     runs = []
     for r in range(args.runs):
         print(f"-- run {r + 1} of {args.runs}")
@@ -431,27 +494,7 @@ def main() -> None:
                      details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
                               "answer": "NexusKV: per (worker, tier, group) prefix, extents, certainty; "
                                         "Dynamo: per worker prefix length"})
-    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
-                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
-                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
-                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "dict_baseline_blocks_per_s":
-                          med("ingest", 2), "goal_ratio": 1.0,
-                          "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
-                                  "its JSON parse"})
-    write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
-                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s",
-                 med("ingest_wire", 0), "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)",
-                 med("ingest_wire", 1), cmd,
-                 details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
-                          "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
-    write_result("index_peers_ingest_wire_sized", "ingest of pre-keyed stored blocks from kv-events v2 record "
-                 "bytes (codec.decode + GlobalIndex.apply) into an index sized for them up front (expected_blocks, "
-                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", med("ingest_wire_sized", 0),
-                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest_wire_sized", 1),
-                 cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
-                               "expected_blocks": first["stored"],
-                               "note": "both clocks start from bytes; NexusKV's block table sized for the resident "
-                                       "blocks before the clock starts (Dynamo's tree needs no sizing)"})
+    write_ingest(runs, cmd, common)
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
                  "512-block prompts, each with the eviction of a resident one", "ops/s", med("churn", 0),
                  "Dynamo RadixTree.apply_event, JSON stored + removed events", med("churn", 1), cmd,
