@@ -148,10 +148,10 @@ class Settings(BaseModel):
     )
     kv_events_tokens: Literal["off", "on"] = _env(
         "NEXUSKV_KV_EVENTS_TOKENS",
-        "Whether kv-events publishers put token ids on the bus beside the canonical keys: `off` (the "
-        "default) or `on`. Token ids are prompt content: no NexusKV consumer needs them (blocks are keyed "
-        "by their publisher), so turn this on only for a consumer of your own that does, and treat the "
-        "kv-events topic as holding prompts then.",
+        "Whether kv-events publishers (the event bridge, tier managers) put token ids on the bus beside the "
+        "canonical keys: `off` (the default) or `on`. Token ids are prompt content: no NexusKV consumer needs "
+        "them (blocks are keyed by their publisher), so turn this on only for a consumer of your own that "
+        "does, and treat the kv-events topic as holding prompts then.",
         "off",
     )
     data_dir: Path = _env(
