@@ -8,7 +8,13 @@ of 8 workers), sent to each index as stored-block events of at most 4,096 blocks
 
 * **NexusKV** — :class:`~nexuskv.index.GlobalIndex` (native core) applying
   :class:`~nexuskv.index.KeyedBlocks` events: 16-byte canonical keys computed at the edge and
-  8-byte engine hashes, packed as bytes, one publisher batch per prompt. After the timed ingest,
+  8-byte engine hashes, packed as bytes, one publisher batch per prompt. A second ingest figure
+  (``wire``) starts from the records' bytes, as the index worker and the replicas do: each
+  prompt's kv-events version 2 payload (:mod:`nexuskv.contracts.keyed_events`, built before the
+  clock starts) is decoded by ``codec.decode`` and applied with ``GlobalIndex.apply``, the whole
+  consumer path, as Dynamo's figure includes its JSON parse; once into an index that grows from
+  empty, once into one sized for the fleet up front (``expected_blocks``, which services take
+  from ``NEXUSKV_INDEX_EXPECTED_BLOCKS``: here the resident block count). After the timed ingest,
   a quarter of the prompts also get a host-tier event (their first 4,096 blocks offloaded), so
   NexusKV holds more memberships than Dynamo and answers with tiers.
 * **Dynamo** — ``RadixTree.apply_event(worker_id, json_bytes)`` with its ``stored`` event JSON
@@ -26,7 +32,10 @@ length of the matched prefix (it stops at the first miss). Figures: ingest block
 p99 (median over the rounds), bytes per membership (the native core's allocated capacity plus the
 Python side's traced bytes).
 
-Run: ``python -m benchmarks.bench_index_peers [--rounds 3] [--lookups 2000] [--no-write]``
+Run: ``python -m benchmarks.bench_index_peers [--rounds 3] [--lookups 2000] [--no-write]``;
+``--ingest-only --runs 7``: only the three ingest figures, each run building NexusKV's three indexes
+and Dynamo's tree back to back on the same prompts (the figures least disturbed by a shared
+machine's load drifting between them), written as the same result files.
 """
 
 from __future__ import annotations
@@ -45,7 +54,10 @@ import tracemalloc
 import numpy as np
 
 from benchmarks._result import write_result
+from nexuskv.contracts import codec
+from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, encode_keyed
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, PublisherIdentity
+from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
@@ -117,6 +129,34 @@ def nexuskv_build(prompts: list[Prompt], *, trace: bool = False) -> tuple[Global
         traced = tracemalloc.get_traced_memory()[0] - traced0
         tracemalloc.stop()
     return index, sum(p.n for p in prompts) / elapsed, traced
+
+
+def nexuskv_payloads(prompts: list[Prompt]) -> list[bytes]:
+    """Each prompt's batch as the kv-events version 2 record value its publisher sends."""
+    out, seq = [], [0] * WORKERS
+    for p in prompts:
+        events = tuple(
+            KeyedStored(engine_hashes=p.hashes[s:s + EVENT_BLOCKS].astype("<u8").tobytes(),
+                        keys=p.keys[16 * s:16 * min(p.n, s + EVENT_BLOCKS)], block_size=BS)
+            for s in range(0, p.n, EVENT_BLOCKS))
+        out.append(encode_keyed(KeyedBatch(publisher=f"worker-{p.worker}", incarnation=1, seq=seq[p.worker], ts=0.0,
+                                           identity=IDENT, events=events)))
+        seq[p.worker] += 1
+    return out
+
+
+def nexuskv_build_wire(prompts: list[Prompt], *, expected_blocks: int = 0) -> float:
+    """Blocks per second from record bytes to an applied index (decode + apply)."""
+    payloads = nexuskv_payloads(prompts)
+    gc.collect()
+    index = GlobalIndex(secret=b"bench", seed=bytes(range(32)), expected_blocks=expected_blocks)
+    decode, apply = codec.decode, index.apply
+    t0 = time.perf_counter()
+    for raw in payloads:
+        apply(decode(KV_EVENTS, raw))
+    elapsed = time.perf_counter() - t0
+    assert index.stats().blocks == sum(p.n for p in prompts)
+    return sum(p.n for p in prompts) / elapsed
 
 
 # -- Dynamo --------------------------------------------------------------------------------------------
@@ -288,6 +328,10 @@ def run_once(args: argparse.Namespace) -> dict:
     _, _, python_side = nexuskv_build(prompts, trace=True)  # memory: a traced build, dropped
     _, _, base_traced = dict_build(prompts, trace=True)
     gc.collect()
+    wire_rate = nexuskv_build_wire(prompts)
+    gc.collect()
+    sized_rate = nexuskv_build_wire(prompts, expected_blocks=sum(p.n for p in prompts))
+    gc.collect()
     ours, ours_rate, _ = nexuskv_build(prompts)
     tree, dyn_rate, dyn_rss = dynamo_build(prompts)
     base, base_rate, _ = dict_build(prompts)
@@ -298,7 +342,9 @@ def run_once(args: argparse.Namespace) -> dict:
     print(f"resident: {stored:,} blocks stored by {WORKERS} workers; NexusKV {members:,} memberships "
           f"({ours.stats().blocks:,} blocks)")
     print(f"ingest of pre-keyed stored blocks: NexusKV {ours_rate / 1e6:.2f} M/s, Dynamo {dyn_rate / 1e6:.2f} M/s "
-          f"(JSON), dict {base_rate / 1e6:.2f} M/s; ratio vs Dynamo {ours_rate / dyn_rate:.2f}")
+          f"(JSON), dict {base_rate / 1e6:.2f} M/s; ratio vs Dynamo {ours_rate / dyn_rate:.2f}; from v2 record bytes "
+          f"(decode + apply) {wire_rate / 1e6:.2f} M/s, ratio {wire_rate / dyn_rate:.2f}; into a table sized "
+          f"up front {sized_rate / 1e6:.2f} M/s, ratio {sized_rate / dyn_rate:.2f}")
     print(f"bytes per membership: NexusKV {per_member:.1f} (core {core_nbytes / members:.1f} + Python "
           f"{python_side / members:.1f}); dict {base_traced / members:.1f}; Dynamo RSS growth "
           f"{dyn_rss / stored:.1f} per block")
@@ -334,6 +380,7 @@ def run_once(args: argparse.Namespace) -> dict:
     print(f"churn at ~1M resident (store 512-block prompts, evict as many): NexusKV {churn_ours / 1e6:.2f} M block "
           f"ops/s, Dynamo {churn_dyn / 1e6:.2f} M/s; ratio {churn_ours / churn_dyn:.2f}")
     out = {"stored": stored, "memberships": members, "ingest": (ours_rate, dyn_rate, base_rate),
+           "ingest_wire": (wire_rate, dyn_rate), "ingest_wire_sized": (sized_rate, dyn_rate),
            "churn": (churn_ours, churn_dyn), "bytes": (per_member, base_traced / members),
            "core_nbytes": core_nbytes, "python_traced_bytes": python_side, "dynamo_rss_per_block": dyn_rss / stored}
     for q, i in (("p50", 0), ("p99", 1)):
@@ -342,18 +389,78 @@ def run_once(args: argparse.Namespace) -> dict:
     return out
 
 
+def ingest_once() -> dict:
+    """One run of the ingest figures only: NexusKV in process, from v2 bytes, from v2 bytes sized; Dynamo."""
+    rng = np.random.default_rng(7)
+    prompts = [Prompt(i, LONG_BLOCKS if i < LONG else SHORT_BLOCKS, rng) for i in range(LONG + SHORT)]
+    stored = sum(p.n for p in prompts)
+    wire = nexuskv_build_wire(prompts)
+    gc.collect()
+    sized = nexuskv_build_wire(prompts, expected_blocks=stored)
+    gc.collect()
+    _, keyed, _ = nexuskv_build(prompts)
+    gc.collect()
+    tree, dyn, _ = dynamo_build(prompts)
+    del tree
+    print(f"ingest: in process {keyed / 1e6:.2f}, from v2 bytes {wire / 1e6:.2f}, sized {sized / 1e6:.2f} M/s; "
+          f"Dynamo {dyn / 1e6:.2f} M/s; ratios {keyed / dyn:.2f} / {wire / dyn:.2f} / {sized / dyn:.2f}")
+    return {"stored": stored, "ingest": (keyed, dyn, 0.0), "ingest_wire": (wire, dyn), "ingest_wire_sized": (sized, dyn)}
+
+
+def write_ingest(runs: list[dict], cmd: str, common: dict) -> None:
+    def med(key: str, i: int) -> float:
+        return statistics.median(run[key][i] for run in runs)
+
+    def per_run(key: str) -> list:
+        return [list(run[key]) for run in runs]
+
+    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
+                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
+                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
+                          **({"dict_baseline_blocks_per_s": med("ingest", 2)} if med("ingest", 2) else {}),
+                          "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
+                                  "its JSON parse"})
+    write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
+                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s",
+                 med("ingest_wire", 0), "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)",
+                 med("ingest_wire", 1), cmd,
+                 details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
+                          "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
+    write_result("index_peers_ingest_wire_sized", "ingest of pre-keyed stored blocks from kv-events v2 record "
+                 "bytes (codec.decode + GlobalIndex.apply) into an index sized for them up front (expected_blocks, "
+                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", med("ingest_wire_sized", 0),
+                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest_wire_sized", 1),
+                 cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
+                               "expected_blocks": runs[0]["stored"],
+                               "note": "both clocks start from bytes; NexusKV's block table sized for the resident "
+                                       "blocks before the clock starts (Dynamo's tree needs no sizing)"})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="complete measurements; figures are their medians")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--ingest-only", action="store_true", help="only the ingest figures (see the module docstring)")
     args = ap.parse_args()
     cmd = f"python -m benchmarks.bench_index_peers --runs {args.runs} --rounds {args.rounds} --lookups {args.lookups}"
     try:
         import dynamo._core  # noqa: F401
     except ImportError:
         raise SystemExit("bench_index_peers needs Dynamo's RadixTree: python -m pip install -e '.[bench]'") from None
+    if args.ingest_only:
+        runs = []
+        for r in range(args.runs):
+            print(f"-- ingest run {r + 1} of {args.runs}")
+            runs.append(ingest_once())
+            gc.collect()
+        if not args.no_write:
+            write_ingest(runs, f"python -m benchmarks.bench_index_peers --ingest-only --runs {args.runs}",
+                         {"resident_blocks": runs[0]["stored"], "workers": WORKERS, "runs": args.runs,
+                          "index_backend": "native", "load_average_at_end": os.getloadavg()})
+        return
     runs = []
     for r in range(args.runs):
         print(f"-- run {r + 1} of {args.runs}")
@@ -369,7 +476,9 @@ def main() -> None:
     print(f"== medians of {args.runs} runs: lookup p50 NexusKV {med('p50', 0):.1f} / Dynamo {med('p50', 1):.1f} µs "
           f"(ratio {med('p50', 0) / med('p50', 1):.2f}), p99 {med('p99', 0):.1f} / {med('p99', 1):.1f} µs (ratio "
           f"{med('p99', 0) / med('p99', 1):.2f}); ingest {med('ingest', 0) / 1e6:.2f} / {med('ingest', 1) / 1e6:.2f} "
-          f"M/s (ratio {med('ingest', 0) / med('ingest', 1):.2f}); churn {med('churn', 0) / 1e6:.2f} / "
+          f"M/s (ratio {med('ingest', 0) / med('ingest', 1):.2f}), from v2 record bytes {med('ingest_wire', 0) / 1e6:.2f} M/s "
+          f"(ratio {med('ingest_wire', 0) / med('ingest_wire', 1):.2f}), sized {med('ingest_wire_sized', 0) / 1e6:.2f} M/s "
+          f"(ratio {med('ingest_wire_sized', 0) / med('ingest_wire_sized', 1):.2f}); churn {med('churn', 0) / 1e6:.2f} / "
           f"{med('churn', 1) / 1e6:.2f} M ops/s (ratio {med('churn', 0) / med('churn', 1):.2f}); bytes per membership "
           f"{med('bytes', 0):.1f} (dict {med('bytes', 1):.1f})")
     if args.no_write:
@@ -385,13 +494,7 @@ def main() -> None:
                      details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
                               "answer": "NexusKV: per (worker, tier, group) prefix, extents, certainty; "
                                         "Dynamo: per worker prefix length"})
-    write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
-                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
-                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
-                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "dict_baseline_blocks_per_s":
-                          med("ingest", 2), "goal_ratio": 1.0,
-                          "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
-                                  "its JSON parse"})
+    write_ingest(runs, cmd, common)
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
                  "512-block prompts, each with the eviction of a resident one", "ops/s", med("churn", 0),
                  "Dynamo RadixTree.apply_event, JSON stored + removed events", med("churn", 1), cmd,

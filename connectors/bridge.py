@@ -7,7 +7,14 @@ For each engine batch received in order (:mod:`connectors.zmq_events`), the brid
 2. decodes the payload (:mod:`connectors.kv_wire`), maps each engine medium to a tier, and
    translates the events into a :class:`~nexuskv.contracts.kv_events.KvEventBatch` carrying the
    publisher's identity, its *incarnation* and the engine's own sequence number;
-3. publishes it keyed by publisher, so one publisher's batches stay ordered on one partition.
+3. keys it at the edge (:class:`~nexuskv.edge_keys.EdgeKeyer`, one per publisher: the bridge knows
+   the identity scope and the identity secret, ``NEXUSKV_IDENTITY_SECRET``) and publishes it as a
+   version 2 :class:`~nexuskv.contracts.keyed_events.KeyedBatch` — canonical keys packed, no token
+   ids unless ``NEXUSKV_KV_EVENTS_TOKENS=on`` — keyed by publisher, so one publisher's batches stay
+   ordered on one partition. The keyer's map from engine hash to key is saved beside the state
+   file when the bridge stops cleanly and read back when it starts; a stored run whose parent the
+   map does not hold (the bridge crashed, or the map forgot it) is not published and is counted
+   (``unresolved_blocks``): a miss for the index, never a wrong hit.
 
 Clears concern the engine's own memory only. vLLM's ``AllBlocksCleared`` (a prefix-cache reset)
 empties its GPU cache and nothing else (vLLM's own CPU offload tier keeps its blocks), so it
@@ -46,15 +53,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from aiokafka import AIOKafkaProducer
 
 from connectors.descriptors import publisher_identity, resolve_descriptor
 from connectors.kv_wire import Engine, EngineBatch, EngineCleared, EngineRemoved, EngineStored, decode_engine_batch
 from connectors.zmq_events import KvEventSubscriber, RawBatch
 from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
+from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.errors import ContractError, NexusKVError
 from streams.process import stop_on_signals
 
@@ -148,6 +158,8 @@ class BridgeConfig:
     default_block_size: int = 16
     mediums: Mapping[str, Tier] = field(default_factory=lambda: dict(DEFAULT_MEDIUMS))
     state_file: Path | None = None  # where incarnations and resume points survive a bridge restart
+    identity_secret: bytes = b""  # keys the blocks' scopes (NEXUSKV_IDENTITY_SECRET): the same as the index's
+    include_tokens: bool = False  # token ids on the bus too (NEXUSKV_KV_EVENTS_TOKENS=on)
 
 
 @dataclass(slots=True)
@@ -163,15 +175,16 @@ class EventBridge:
         self.config = config
         self._clock_ns = clock_ns
         self._publishers: dict[str, _Publisher] = {}
-        self.stats = {"forwarded": 0, "dead_lettered": 0, "restarts": 0, "block_ops": 0}
+        self._keyers: dict[str, EdgeKeyer] = {}
+        self.stats = {"forwarded": 0, "dead_lettered": 0, "restarts": 0, "block_ops": 0, "unresolved_blocks": 0}
         self._load_state()
 
     def resume_points(self) -> dict[str, int]:
         """Next engine sequence number per topic, for :class:`KvEventSubscriber` after a restart."""
         return {topic: p.next_seq for topic, p in self._publishers.items()}
 
-    def handle(self, raw: RawBatch) -> KvEventBatch:
-        """Translate one received batch (raises ContractError with the reason when it cannot)."""
+    def handle(self, raw: RawBatch) -> KeyedBatch:
+        """Translate and key one received batch (raises ContractError with the reason when it cannot)."""
         state = self._publishers.get(raw.topic)
         new_incarnation = state is None or raw.restart or raw.seq < state.next_seq
         if new_incarnation:
@@ -183,10 +196,18 @@ class EventBridge:
         batch = decode_engine_batch(raw.payload, self.config.engine)
         publisher = publisher_name(self.config.engine, raw.topic, batch.data_parallel_rank, self.config.name)
         restarted = new_incarnation and (raw.seq == 0 or raw.restart)
-        return translate(batch, publisher=publisher, incarnation=state.incarnation, seq=raw.seq,
-                         identity=self.config.identity, default_block_size=self.config.default_block_size,
-                         mediums=self.config.mediums, cleared_first=restarted,
-                         clears=ENGINE_CLEARS[self.config.engine])
+        plain = translate(batch, publisher=publisher, incarnation=state.incarnation, seq=raw.seq,
+                          identity=self.config.identity, default_block_size=self.config.default_block_size,
+                          mediums=self.config.mediums, cleared_first=restarted,
+                          clears=ENGINE_CLEARS[self.config.engine])
+        keyer = self._keyers.get(publisher)
+        if keyer is None:
+            keyer = self._keyers[publisher] = EdgeKeyer(self.config.identity_secret,
+                                                        include_tokens=self.config.include_tokens)
+        before = keyer.stats.unresolved_blocks
+        out = keyer.key_batch(plain)
+        self.stats["unresolved_blocks"] += keyer.stats.unresolved_blocks - before
+        return out
 
     async def run(self, subscriber: KvEventSubscriber, producer: AIOKafkaProducer, *,
                   stop: asyncio.Event | None = None) -> None:
@@ -216,6 +237,7 @@ class EventBridge:
                 self.stats["forwarded"] += 1
                 self.stats["block_ops"] += out.block_operations
             self._save_state()
+        self._save_keys()
 
     def _load_state(self) -> None:
         path = self.config.state_file
@@ -224,6 +246,28 @@ class EventBridge:
         data = json.loads(path.read_text())
         for topic, entry in data.get("publishers", {}).items():
             self._publishers[topic] = _Publisher(incarnation=int(entry["incarnation"]), next_seq=int(entry["next_seq"]))
+        keys = path.with_suffix(".keys")
+        if keys.is_file():
+            try:
+                saved = msgspec.msgpack.decode(keys.read_bytes(), type=dict[str, bytes])
+                for publisher, blob in saved.items():
+                    keyer = self._keyers[publisher] = EdgeKeyer(self.config.identity_secret,
+                                                                include_tokens=self.config.include_tokens)
+                    keyer.restore(blob)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                self._keyers.clear()
+                log.warning("%s: key map unreadable (%s): runs hanging from earlier blocks go unpublished", keys, exc)
+            keys.unlink()  # a map is good for the one restart after it was saved: later batches change it
+
+    def _save_keys(self) -> None:
+        """Save the publishers' key maps at a clean stop, so a restarted bridge still keys runs that hang
+        from blocks stored before it stopped (after a crash they are unresolved: misses, counted)."""
+        path = self.config.state_file
+        if path is None or not self._keyers:
+            return
+        tmp = path.with_suffix(".keys.tmp")
+        tmp.write_bytes(msgspec.msgpack.encode({p: k.export() for p, k in self._keyers.items()}))
+        os.replace(tmp, path.with_suffix(".keys"))
 
     def _save_state(self) -> None:
         path = self.config.state_file
@@ -253,12 +297,13 @@ def _mediums(pairs: list[str]) -> dict[str, Tier]:
     return out
 
 
-async def _serve(args: argparse.Namespace, url: BrokerUrl) -> None:
+async def _serve(args: argparse.Namespace, url: BrokerUrl, settings: Settings) -> None:
     from streams.bus import make_producer
 
     state = Path(args.state_file) if args.state_file else None
     config = BridgeConfig(engine=args.engine, identity=_identity(args), name=args.name,
-                          default_block_size=args.block_size, mediums=_mediums(args.medium), state_file=state)
+                          default_block_size=args.block_size, mediums=_mediums(args.medium), state_file=state,
+                          identity_secret=settings.identity_secret_bytes, include_tokens=settings.kv_event_tokens)
     bridge = EventBridge(config)
     subscriber = KvEventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint, topic_prefix=args.topic,
                                    bind=args.bind, resume=bridge.resume_points())
@@ -296,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     from streams.broker import open_bus
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
-        asyncio.run(_serve(args, url))
+        asyncio.run(_serve(args, url, settings))
     return 0
 
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -146,6 +146,14 @@ class Settings(BaseModel):
         "bus secret.",
         "",
     )
+    kv_events_tokens: Literal["off", "on"] = _env(
+        "NEXUSKV_KV_EVENTS_TOKENS",
+        "Whether kv-events publishers (the event bridge, tier managers) put token ids on the bus beside the "
+        "canonical keys: `off` (the default) or `on`. Token ids are prompt content: no NexusKV consumer needs "
+        "them (blocks are keyed by their publisher), so turn this on only for a consumer of your own that "
+        "does, and treat the kv-events topic as holding prompts then.",
+        "off",
+    )
     data_dir: Path = _env(
         "NEXUSKV_DATA_DIR", "Folder for local state: index snapshots, tier files, DuckDB.", Path(".nexuskv")
     )
@@ -173,6 +181,12 @@ class Settings(BaseModel):
         "NEXUSKV_INDEX_MAX_MEMBERSHIPS",
         "Most (block, location) memberships one index holds (~40-64 bytes each); beyond it the index "
         "forgets blocks (policy `sweep`) and counts them.", 16_000_000, ge=1, le=1 << 34,
+    )
+    index_expected_blocks: int = _env(
+        "NEXUSKV_INDEX_EXPECTED_BLOCKS",
+        "Blocks the index worker and every index replica size their block table for at start (~40 bytes "
+        "each, allocated lazily by the OS), so ingest up to that many never stops to grow the table "
+        "(growing from empty halves the ingest rate at 1M blocks); 0: grow as blocks arrive.", 0, ge=0, le=1 << 31,
     )
     index_checkpoint_interval_s: float = _env(
         "NEXUSKV_INDEX_CHECKPOINT_INTERVAL",
@@ -397,6 +411,11 @@ class Settings(BaseModel):
     @property
     def broker_url(self) -> BrokerUrl | None:
         return parse_broker_url(self.broker) if self.broker else None
+
+    @property
+    def kv_event_tokens(self) -> bool:
+        """Whether publishers put token ids on the bus (``NEXUSKV_KV_EVENTS_TOKENS=on``)."""
+        return self.kv_events_tokens == "on"
 
     @property
     def identity_secret_bytes(self) -> bytes:

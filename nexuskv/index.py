@@ -14,9 +14,13 @@ create or delete another block. A publisher's map entry lives while the publishe
 in some tier: an entry whose block the publisher no longer holds anywhere is gone, whichever
 way the block left (removal, clear, another hash taking its place, forgetting).
 
-**Pre-keyed blocks.** :class:`KeyedBlocks` events carry canonical keys computed at the edge (16
-bytes each) instead of token ids: the index stores them as given, with no parent to resolve.
-:meth:`GlobalIndex.apply_events` takes them beside the wire contract's events.
+**Pre-keyed blocks.** Version 2 batches (:class:`~nexuskv.contracts.keyed_events.KeyedBatch`) and
+:class:`KeyedBlocks` events carry canonical keys computed at the edge (16 bytes each) instead of
+token ids: the index stores them as given, with no parent to resolve and no token to touch (the
+publisher vouches for them; :mod:`nexuskv.contracts.keyed_events`). Their tier events and
+removals name blocks by engine hash, as version 1's do, through the same per-publisher map.
+:meth:`GlobalIndex.apply` takes either version; :meth:`GlobalIndex.apply_events` takes
+:class:`KeyedBlocks` beside both versions' events.
 
 **Scope isolation.** Every block is stored under its scope and found only by a lookup in that
 same scope: a caller of one tenant that presents another tenant's keys gets misses, and the
@@ -67,6 +71,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, SnapshotMark, TierStored
 from nexuskv.contracts.kv_events import (
     MAX_BLOCKS_PER_EVENT,
     AllCleared,
@@ -95,6 +100,10 @@ _MATCH_CACHE_MAX = 1 << 16
 _KEYER_CACHE_MAX = 256
 _EVENT_SCOPE_CACHE_MAX = 256
 MAX_SCOPES = 65_535  # the core stores scope ids in 16 bits
+
+
+_EVENT_TYPES = frozenset((BlockStored, BlockRemoved, AllCleared, Snapshot, KeyedStored, TierStored, Removed, Cleared,
+                          SnapshotMark))
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +251,7 @@ class GlobalIndex:
 
     # -- applying batches -----------------------------------------------------------------------------
 
-    def apply(self, batch: KvEventBatch) -> ApplyOutcome:
+    def apply(self, batch: KvEventBatch | KeyedBatch) -> ApplyOutcome:
         """Apply one publisher batch (idempotent: a batch already applied is ignored)."""
         return self.apply_events(batch.publisher, batch.incarnation, batch.seq, batch.identity, batch.events)
 
@@ -257,7 +266,7 @@ class GlobalIndex:
             except StopIteration as done:
                 return done.value
 
-    def apply_steps(self, batch: KvEventBatch) -> Generator[int, None, ApplyOutcome]:
+    def apply_steps(self, batch: KvEventBatch | KeyedBatch) -> Generator[int, None, ApplyOutcome]:
         """:meth:`apply`, one event at a time: yields after each event (the block operations so
         far) and returns the outcome. Between steps the index holds the batch's first events'
         effect, a state the publisher itself went through, so lookups in between are answered
@@ -273,7 +282,7 @@ class GlobalIndex:
         for event in events:
             if isinstance(event, KeyedBlocks):
                 event.check()
-            elif not isinstance(event, (BlockStored, BlockRemoved, AllCleared, Snapshot)):
+            elif type(event) not in _EVENT_TYPES:
                 raise TypeError(f"not a kv event: {type(event).__name__}")
         pub, admission = self._publishers.admit(publisher, incarnation, seq)
         self._sync_publishers()
@@ -291,17 +300,20 @@ class GlobalIndex:
             self._locate_at(pub, worker)
         ops = 0
         for event in events:
-            if isinstance(event, BlockStored):
-                ops += self._stored(pub, identity, event)
-            elif isinstance(event, KeyedBlocks):
+            kind = type(event)
+            if kind is KeyedStored or kind is KeyedBlocks:
                 ops += self._stored_keys(pub, identity, event)
-            elif isinstance(event, BlockRemoved):
+            elif kind is Removed or kind is BlockRemoved:
                 ops += self._removed(pub, event)
-            elif isinstance(event, AllCleared):
+            elif kind is TierStored:
+                ops += self._stored_tier(pub, event)
+            elif kind is BlockStored:
+                ops += self._stored(pub, identity, event)
+            elif kind is AllCleared or kind is Cleared:
                 self._clear(pub, event.tier)
                 if event.tier is None:
                     self._publishers.certain(pub)
-            elif isinstance(event, Snapshot):
+            elif kind is Snapshot or kind is SnapshotMark:
                 if self._publishers.snapshot(pub, event.phase):
                     self._clear(pub, None)
             yield ops
@@ -328,13 +340,10 @@ class GlobalIndex:
             self._core_publishers += 1
 
     def _stored(self, pub: PublisherState, identity: PublisherIdentity, event: BlockStored) -> int:
+        if event.is_tier_event:
+            return self._stored_tier(pub, event)
         n = len(event.engine_hashes)
         loc = self._location(pub, event.tier, event.group)
-        if event.is_tier_event:
-            known = self._core.store_tier(pub.pid, loc, event.engine_hashes)
-            self._count.unresolved_blocks += n - known
-            self._count.blocks_stored += known
-            return n
         scope = self._event_scope(identity, event.tenant_namespace, event.lora, event.cache_salt)
         parent = None
         if event.parent is not None:
@@ -353,15 +362,26 @@ class GlobalIndex:
         self._count.blocks_stored += n
         return n
 
-    def _stored_keys(self, pub: PublisherState, identity: PublisherIdentity, event: KeyedBlocks) -> int:
+    def _stored_tier(self, pub: PublisherState, event: BlockStored | TierStored) -> int:
+        """Blocks the publisher announced, now also in ``event.tier`` (resolved by engine hash)."""
+        hashes = event.engine_hashes
+        n = len(hashes) // 8 if isinstance(hashes, bytes) else len(hashes)
+        loc = self._location(pub, event.tier, event.group)
+        known = self._core.store_tier(pub.pid, loc, hashes)
+        self._count.unresolved_blocks += n - known
+        self._count.blocks_stored += known
+        return n
+
+    def _stored_keys(self, pub: PublisherState, identity: PublisherIdentity, event: KeyedBlocks | KeyedStored) -> int:
         loc = self._location(pub, Tier(event.tier), event.group)
         scope = self._event_scope(identity, event.tenant_namespace, event.lora, event.cache_salt)
         n = self._core.store(pub.pid, loc, self._scope_id(scope, create=True), event.keys, event.engine_hashes)
         self._count.blocks_stored += n
         return n
 
-    def _removed(self, pub: PublisherState, event: BlockRemoved) -> int:
-        n = len(event.engine_hashes)
+    def _removed(self, pub: PublisherState, event: BlockRemoved | Removed) -> int:
+        hashes = event.engine_hashes
+        n = len(hashes) // 8 if isinstance(hashes, bytes) else len(hashes)
         loc = pub.locs.get((event.tier, event.group))
         known = self._core.remove(pub.pid, loc, event.engine_hashes)
         self._count.unknown_removals += n - known

@@ -2,6 +2,10 @@
 
 ``nexuskv schemas`` writes one file per topic payload (``<topic>.schema.json``) plus
 ``state-descriptor.schema.json`` into ``infra/schemas/``, for consumers in other languages.
+``nexuskv.kv-events`` has two payload versions: ``nexuskv.kv-events.schema.json`` is version 1
+(pydantic), ``nexuskv.kv-events.v2.schema.json`` version 2 (msgspec, pre-keyed; bytes fields are
+msgpack ``bin``, base64 in the JSON form). 128-bit keys are lowercase hex strings in every JSON
+form (:data:`nexuskv.contracts.base.Key128`).
 A test keeps the committed files equal to what this build exports.
 """
 
@@ -10,7 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nexuskv.contracts.topics import TOPICS
+from nexuskv.contracts.keyed_events import keyed_schema
+from nexuskv.contracts.topics import KV_EVENTS, TOPICS
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.entries import CacheEntry, QueryKey
 
@@ -24,6 +29,7 @@ def schema_documents() -> dict[str, dict]:
         schema = topic.contract.model_json_schema(mode="serialization")
         schema["$comment"] = f"topic {topic.name}; key: {topic.key}; encoding: {topic.encoding}"
         docs[f"{topic.name}.schema.json"] = schema
+    docs[f"{KV_EVENTS.name}.v2.schema.json"] = keyed_schema()
     for name, model in (("state-descriptor", StateDescriptor), ("query-key", QueryKey), ("cache-entry", CacheEntry)):
         docs[f"{name}.schema.json"] = model.model_json_schema(mode="serialization")
     return docs

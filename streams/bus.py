@@ -32,6 +32,7 @@ from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec, kv_signature
 from nexuskv.contracts.base import Contract
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError
@@ -150,7 +151,7 @@ def record_headers(key: bytes, payload: bytes, value: Contract, headers: Headers
                    signer: BatchSigner | _FromEnv | None = FROM_ENV) -> list[tuple[str, bytes]]:
     """The headers of a record: the trace context, and a kv-events batch's signature."""
     out = [(k, v) for k, v in carrier_headers(headers) if k != kv_signature.SIGNATURE_HEADER]
-    if isinstance(value, KvEventBatch) and signer is not None:
+    if isinstance(value, (KvEventBatch, KeyedBatch)) and signer is not None:
         chosen = default_signer() if isinstance(signer, _FromEnv) else signer
         header = chosen.header(value.publisher, key, payload) if chosen else None
         if header is not None:

@@ -159,7 +159,8 @@ async def _serve(settings: Settings, stop: Any) -> None:
     assert url is not None
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
                            checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
-                           bus_secret=settings.bus_secret_bytes, client_id="nexuskv-index-api")
+                           bus_secret=settings.bus_secret_bytes, client_id="nexuskv-index-api",
+                           expected_blocks=settings.index_expected_blocks)
     await replica.start()
     supervisor = Supervisor("index-api")
     assert replica.task is not None

@@ -226,13 +226,14 @@ class IndexWorker:
     def __init__(self, url: BrokerUrl, *, data_dir: Path, max_memberships: int, secret: bytes,
                  checkpoint_interval_s: float, partitions: int, topic: str = KV_EVENTS.name,
                  group: str = APP_NAME, dead_letter_topic: str = DEAD_LETTER.name, bus_secret: bytes = b"",
-                 maintain_s: float = 1.0, idle_s: float = 2.0) -> None:
+                 maintain_s: float = 1.0, idle_s: float = 2.0, expected_blocks: int = 0) -> None:
         self.url = url
         self.topic = dataclasses.replace(KV_EVENTS, name=topic)
         self.dead_letter: Topic = dataclasses.replace(DEAD_LETTER, name=dead_letter_topic)
         self.intake = KvIntake(self.topic, partitions=partitions, bus_secret=bus_secret)
         # A seed of its own per process: bucket placement an outsider cannot steer (hash flooding).
-        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32))
+        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32),
+                                 expected_blocks=expected_blocks)
         self.checkpoint_dir = Path(data_dir) / "index" / group
         self.parts: dict[int, _Partition] = {}
         self.idle_s = idle_s
@@ -474,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = IndexWorker(url, data_dir=settings.data_dir, max_memberships=settings.index_max_memberships,
                          secret=settings.identity_secret_bytes, checkpoint_interval_s=settings.index_checkpoint_interval_s,
                          partitions=partitions, topic=args.topic, group=args.group,
-                         dead_letter_topic=args.dead_letter_topic, bus_secret=settings.bus_secret_bytes)
+                         dead_letter_topic=args.dead_letter_topic, bus_secret=settings.bus_secret_bytes,
+                         expected_blocks=settings.index_expected_blocks)
     worker.app.conf.worker_redirect_stdouts = False
     freeze_startup_heap()
     faust.Worker(worker.app, loglevel=settings.log_level, quiet=True).execute_from_commandline()

@@ -517,7 +517,8 @@ async def _run(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:
     # index workers' checkpoints, so lookups never cross the bus.
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
                            checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
-                           client_id="nexuskv-planner-index", bus_secret=settings.bus_secret_bytes)
+                           client_id="nexuskv-planner-index", bus_secret=settings.bus_secret_bytes,
+                           expected_blocks=settings.index_expected_blocks)
     await replica.start(timeout_s=settings.broker_start_timeout_s)
     service = PlannerService(url, replica, policy_file=settings.policy_file,
                              identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)

@@ -82,11 +82,12 @@ class IndexReplica:
     def __init__(self, url: BrokerUrl, *, secret: bytes = b"", max_memberships: int = 16_000_000,
                  topic: str = KV_EVENTS.name, checkpoint_dir: Path | None = None,
                  clock: Callable[[], float] = time.time, client_id: str = "nexuskv-replica",
-                 bus_secret: bytes | None = FROM_ENV, slice_s: float = SLICE_S) -> None:
+                 bus_secret: bytes | None = FROM_ENV, slice_s: float = SLICE_S, expected_blocks: int = 0) -> None:
         self.url = url
         self.topic = dataclasses.replace(KV_EVENTS, name=topic)
         # A seed of its own per process: bucket placement an outsider cannot steer (hash flooding).
-        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32))
+        self.index = GlobalIndex(max_memberships=max_memberships, secret=secret, seed=os.urandom(32),
+                                 expected_blocks=expected_blocks)
         self.checkpoint_dir = checkpoint_dir
         self.clock = clock
         self.client_id = client_id

@@ -50,7 +50,7 @@ from aiokafka.errors import KafkaError
 
 from nexuskv.admission import EVICTION_POLICIES, ReuseModel, block_gains
 from nexuskv.config import BrokerUrl, Settings
-from nexuskv.contracts.kv_events import KvEventBatch
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT, TIER_STATE
@@ -196,11 +196,11 @@ class TierBus:
         self.rejected = 0
         self.batches_sent = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[KvEventBatch] | None = None
-        self._early: list[KvEventBatch] = []
+        self._outbox: asyncio.Queue[KeyedBatch] | None = None
+        self._early: list[KeyedBatch] = []
         self._early_lock = threading.Lock()
 
-    def publish_batch(self, batch: KvEventBatch) -> None:
+    def publish_batch(self, batch: KeyedBatch) -> None:
         """Queue one batch of the manager's publisher (any thread)."""
         loop, box = self._loop, self._outbox
         if loop is None or box is None:
@@ -303,7 +303,7 @@ class TierBus:
             await asyncio.sleep(self.state_interval_s)
 
 
-def build(settings: Settings, *, publish: Callable[[KvEventBatch], None],
+def build(settings: Settings, *, publish: Callable[[KeyedBatch], None],
           model: Callable[[], CostModel] | None = None) -> tuple[TierManager, TransferExecutor]:
     """This worker's tiers under a tier manager, and the executor that copies into them."""
     from nexuskv.models import KNOWN_MODELS, known_model
@@ -321,7 +321,7 @@ def build(settings: Settings, *, publish: Callable[[KvEventBatch], None],
         model = lambda: shipped
     tiers = tuple(b.capabilities.tier for b in catalog.backends if not b.capabilities.shared)
     gains = cost_model_gains(model, by_id.get, profile=profile, tiers=tiers)
-    facts = TierFacts(settings.worker, publish)
+    facts = TierFacts(settings.worker, publish, include_tokens=settings.kv_event_tokens)
     manager = TierManager(catalog, facts=facts, policy=policy, reuse=ReuseModel(settings.tier_reuse_half_life_s),
                           gains=gains, pin_fraction=settings.tier_pin_fraction, lease_s=settings.tier_lease_s,
                           tenant_pin_quota=lambda tenant: execution.quota_for(tenant).max_pinned_bytes)

@@ -1,6 +1,6 @@
 """Which topic and key a record goes to: one place, so every producer keys records alike.
 
-* KvEventBatch -> ``nexuskv.kv-events``, keyed by publisher (one publisher's batches stay in order);
+* KvEventBatch and KeyedBatch (kv-events versions 1 and 2) -> ``nexuskv.kv-events``, keyed by publisher (one publisher's batches stay in order);
 * ObservationRecord -> ``nexuskv.observations``, keyed by model and profile (prefill), by worker
   and link (transfer), by worker (load);
 * TransferResult -> ``nexuskv.transfer-results``, keyed by request id;
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from nexuskv.contracts.base import Contract
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation
 from nexuskv.contracts.tier_state import TierStateRecord
@@ -20,9 +21,9 @@ from nexuskv.errors import ContractError
 __all__ = ["route"]
 
 
-def route(record: Contract) -> tuple[Topic, str]:
+def route(record: Contract | KeyedBatch) -> tuple[Topic, str]:
     """(topic, key) for a record a NexusKV component publishes."""
-    if isinstance(record, KvEventBatch):
+    if isinstance(record, (KvEventBatch, KeyedBatch)):
         return KV_EVENTS, record.publisher
     if isinstance(record, TransferResult):
         return TRANSFER_RESULTS, record.request_id

@@ -75,7 +75,7 @@ import torch
 from connectors.descriptors import publisher_identity
 from nexuskv.admission import block_gains
 from nexuskv.contracts.decisions import Action
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedEvent, KeyedStored, Removed, pack_hashes
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import CostModel
 from nexuskv.dataplane.backend import host_view
@@ -168,7 +168,7 @@ class HiCacheCore:
     """One SGLang storage backend instance (one TP rank); thread-safe (SGLang calls from I/O threads)."""
 
     def __init__(self, descriptor: StateDescriptor, *, worker: str, catalog: BackendCatalog, tier: Tier,
-                 index: IndexView, publish: Callable[[KvEventBatch], None], model: Callable[[], CostModel],
+                 index: IndexView, publish: Callable[[KeyedBatch], None], model: Callable[[], CostModel],
                  execution: Callable[[], ExecutionPolicy], profile: str | None = None, secret: bytes = b"",
                  clock: Callable[[], float] = time.time, incarnation: int | None = None,
                  layout: tuple[torch.dtype, tuple[int, ...]] | None = None, owner: str | None = None,
@@ -225,7 +225,7 @@ class HiCacheCore:
     def _payload_key(self, canonical: int) -> PayloadKey:
         return PayloadKey(self.descriptor.descriptor_id, canonical, 0)
 
-    def _emit(self, events: list[KvEvent]) -> None:
+    def _emit(self, events: list[KeyedEvent]) -> None:
         if not events:
             return
         self._facts.queue(events, self._identity)
@@ -429,14 +429,16 @@ class HiCacheCore:
                          self.tier.value, "; ".join(out.reasons[:2]))
             return [b.key in held for b in blocks]
         results: list[bool] = []
-        stored: list[KvEvent] = []
+        stored: list[KeyedEvent] = []
         for (key, _value), data in zip(pages, datas):
             canonical = self.canonical(key)
             ok = self._store_shared(canonical, data)
             results.append(ok)
             if ok:
-                stored.append(BlockStored(engine_hashes=(event_hash(canonical),), token_ids=tuple(page_words(key)),
-                                          block_size=PAGE_WORDS, tier=self.tier, cache_salt=PAGE_SCOPE_SALT))
+                # Keyed here, where the page scope and the secret are known: no consumer sees its words.
+                stored.append(KeyedStored(engine_hashes=pack_hashes((event_hash(canonical),)),
+                                          keys=canonical.to_bytes(16, "big"), block_size=PAGE_WORDS, tier=self.tier,
+                                          cache_salt=PAGE_SCOPE_SALT))
         self._emit(stored)
         return results
 
@@ -481,7 +483,7 @@ class HiCacheCore:
         with self._lock:
             self._remote_own.discard(canonical)
         self._delete_payload(canonical)
-        self._emit([BlockRemoved(engine_hashes=(event_hash(canonical),), tier=self.tier)])
+        self._emit([Removed(engine_hashes=pack_hashes((event_hash(canonical),)), tier=self.tier)])
 
     def _delete_payload(self, canonical: int) -> None:
         pk = self._payload_key(canonical)
@@ -500,7 +502,7 @@ class HiCacheCore:
                 own, self._remote_own = list(self._remote_own), set()
             for canonical in own:
                 self._delete_payload(canonical)
-        self._emit([AllCleared(tier=self.tier)])
+        self._emit([Cleared(tier=self.tier)])
 
     def pages(self) -> int:
         if self.tiers is not None:

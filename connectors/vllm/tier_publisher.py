@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.descriptors import publisher_identity
-from nexuskv.contracts.kv_events import MAX_EVENTS_PER_BATCH, BlockRemoved, BlockStored, KvEvent, KvEventBatch, Snapshot
+from nexuskv.contracts.keyed_events import KeyedBatch, KeyedEvent, KeyedStored, Removed, SnapshotMark, pack_hashes
+from nexuskv.contracts.kv_events import MAX_EVENTS_PER_BATCH
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import IdentityError
@@ -83,7 +84,7 @@ class TierPublisher:
     """One worker's facts about one tier; thread-safe (the worker's write threads announce)."""
 
     def __init__(self, descriptor: StateDescriptor, *, worker: str, tier: Tier, keyer: BlockKeyer,
-                 publish: Callable[[KvEventBatch], None], held: Held, state_dir: Path,
+                 publish: Callable[[KeyedBatch], None], held: Held, state_dir: Path,
                  clock: Callable[[], float] = time.time, clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.descriptor = descriptor
         self.worker = worker
@@ -126,9 +127,9 @@ class TierPublisher:
                 fh.write(_line(b))
         os.replace(tmp, self._manifest)
         self._seq, self._broken = 0, False
-        events: list[KvEvent] = [Snapshot(phase="begin")]
+        events: list[KeyedEvent] = [SnapshotMark(phase="begin")]
         events += [self._stored([b]) for b in blocks]
-        events.append(Snapshot(phase="end"))
+        events.append(SnapshotMark(phase="end"))
         for i in range(0, len(events), _BATCH_EVENTS):
             self._emit(events[i:i + _BATCH_EVENTS])
         self._announced = {b.key for b in blocks}
@@ -224,28 +225,27 @@ class TierPublisher:
             gone = [k for k in keys if k in self._announced]
             if not gone:
                 return
-            self._emit([BlockRemoved(engine_hashes=tuple(event_hash(k) for k in gone), tier=self.tier,
-                                     group=self._group)])
+            self._emit([Removed(engine_hashes=pack_hashes(event_hash(k) for k in gone), tier=self.tier,
+                                group=self._group)])
             self._announced.difference_update(gone)
         self.stats["removed"] += len(gone)
 
     # -- events ------------------------------------------------------------------------------------
 
-    def _stored(self, blocks: Sequence[TierBlock]) -> BlockStored:
-        parent = blocks[0].parent
-        return BlockStored(engine_hashes=tuple(event_hash(b.key) for b in blocks),
-                           parent=None if parent is None else event_hash(parent),
-                           token_ids=tuple(t for b in blocks for t in b.tokens), block_size=self._block_size,
+    def _stored(self, blocks: Sequence[TierBlock]) -> KeyedStored:
+        """The blocks with their canonical keys (this publisher computed them: no consumer sees the tokens)."""
+        return KeyedStored(engine_hashes=pack_hashes(event_hash(b.key) for b in blocks),
+                           keys=b"".join([b.key.to_bytes(16, "big") for b in blocks]), block_size=self._block_size,
                            tier=self.tier, group=self._group)
 
-    def _emit(self, events: list[KvEvent]) -> None:
+    def _emit(self, events: list[KeyedEvent]) -> None:
         """Publish one batch (the lock is held: batches leave in sequence order).
 
         A batch that may not have arrived leaves a gap the index treats as uncertainty; the next
         call starts a new incarnation with a snapshot instead of going on (``resyncs``).
         """
-        batch = KvEventBatch(publisher=self.name, incarnation=self._incarnation, seq=self._seq, ts=self.clock(),
-                             identity=self._identity, events=tuple(events))
+        batch = KeyedBatch(publisher=self.name, incarnation=self._incarnation, seq=self._seq, ts=self.clock(),
+                           identity=self._identity, events=tuple(events))
         self._seq += 1
         try:
             self.publish(batch)

@@ -9,14 +9,15 @@ drops something it does not understand (compatibility fails closed).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import re
+from typing import Annotated, Any, TypeVar
 
 import pydantic
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from nexuskv.errors import ContractError
 
-__all__ = ["Contract", "contract_error", "validate_contract"]
+__all__ = ["Contract", "Key128", "contract_error", "key_hex", "validate_contract"]
 
 C = TypeVar("C", bound="Contract")
 
@@ -71,3 +72,35 @@ def contract_error(exc: pydantic.ValidationError) -> ContractError:
 def validate_contract(cls: type[C], data: Any) -> C:
     """Validate plain data into ``cls``, raising ContractError (never pydantic's error type)."""
     return cls.model_validate(data)
+
+
+_HEX_KEY = re.compile(r"[0-9a-f]{1,32}")
+
+
+def key_hex(key: int) -> str:
+    """A 128-bit key as JSON carries it: 32 lowercase hex digits (JSON numbers lose precision past 2**53)."""
+    return f"{key:032x}"
+
+
+def _key_in(value: Any) -> Any:
+    if isinstance(value, str):
+        if not _HEX_KEY.fullmatch(value):
+            raise ValueError("a 128-bit key is 1 to 32 lowercase hex digits")
+        return int(value, 16)
+    return value  # an int (built in code, or a record written before keys were hex): range-checked below
+
+
+#: A canonical 128-bit key: an int in Python; in JSON (and msgpack contracts' JSON form) a
+#: lowercase hex string of 32 digits, so Go and JavaScript consumers read it losslessly. Input
+#: takes the hex string, or an int (records written before keys were hex still decode).
+Key128 = Annotated[
+    int,
+    BeforeValidator(_key_in),
+    Field(ge=0, lt=2**128),
+    PlainSerializer(key_hex, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": "^[0-9a-f]{32}$",
+                    "description": "a 128-bit key, 32 lowercase hex digits"}, mode="serialization"),
+    WithJsonSchema({"anyOf": [{"type": "string", "pattern": "^[0-9a-f]{1,32}$"},
+                              {"type": "integer", "minimum": 0, "maximum": 2**128 - 1}],
+                    "description": "a 128-bit key, lowercase hex (an integer is read too)"}, mode="validation"),
+]

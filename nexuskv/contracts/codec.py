@@ -3,6 +3,11 @@
 Decoding checks, in order: size, encoding (truncated or garbage bytes), shape (a map at the top),
 schema version (a :class:`SchemaVersionError` names the version), then the contract itself.
 The reason string is what goes to the dead-letter topic.
+
+``nexuskv.kv-events`` has two payload versions: 1, the pydantic :class:`KvEventBatch` (token ids),
+and 2, the msgspec :class:`~nexuskv.contracts.keyed_events.KeyedBatch` (pre-keyed, binary).
+:func:`encode` writes whichever it is given; :func:`decode` reads both (the same checks, in the
+same order; a v2 payload is recognised by its first bytes and decoded by msgspec in one call).
 """
 
 from __future__ import annotations
@@ -14,6 +19,14 @@ import msgpack
 import pydantic
 
 from nexuskv.contracts.base import Contract, contract_error
+from nexuskv.contracts.keyed_events import (
+    KEYED_SCHEMA_VERSION,
+    KeyedBatch,
+    decode_keyed,
+    encode_keyed,
+    is_keyed_payload,
+)
+from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError, SchemaVersionError
 
@@ -22,8 +35,15 @@ __all__ = ["MAX_PAYLOAD_BYTES", "encode", "decode", "decode_raw"]
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
-def encode(topic: Topic, value: Contract) -> bytes:
+def _carries_keyed(topic: Topic) -> bool:
+    """Whether ``topic`` is a kv-events topic (under any name) that reads version 2."""
+    return topic.contract is KvEventBatch and KEYED_SCHEMA_VERSION in topic.versions
+
+
+def encode(topic: Topic, value: Contract | KeyedBatch) -> bytes:
     """Serialise ``value`` for ``topic`` (its contract type is checked)."""
+    if isinstance(value, KeyedBatch) and _carries_keyed(topic):
+        return encode_keyed(value)
     if not isinstance(value, topic.contract):
         raise ContractError(f"{topic.name} carries {topic.contract.__name__}, not {type(value).__name__}")
     if topic.encoding == "json":
@@ -57,9 +77,15 @@ def decode_raw(topic: Topic, raw: bytes) -> dict[str, Any]:
     return data
 
 
-def decode(topic: Topic, raw: bytes) -> Contract:
-    """Bytes to a validated contract value of ``topic``."""
+def decode(topic: Topic, raw: bytes) -> Contract | KeyedBatch:
+    """Bytes to a validated contract value of ``topic`` (for kv-events, either version)."""
+    keyed = _carries_keyed(topic)
+    if keyed and isinstance(raw, (bytes, bytearray, memoryview)) and len(raw) <= MAX_PAYLOAD_BYTES \
+            and is_keyed_payload(raw):
+        return decode_keyed(raw)
     data = decode_raw(topic, raw)
+    if keyed and data["schema_version"] == KEYED_SCHEMA_VERSION:
+        return decode_keyed(bytes(raw))  # a v2 map whose fields another encoder ordered differently
     try:
         return topic.contract.model_validate(data)
     except pydantic.ValidationError as exc:

@@ -37,7 +37,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contracts.base import Contract, Key128
 from nexuskv.descriptor import Tier
 
 __all__ = ["SCHEMA_VERSION", "HintKind", "PlacementHint"]
@@ -61,14 +61,14 @@ class PlacementHint(Contract):
     hint_id: Text
     request_id: Text | None = None
     tenant_namespace: Text
-    prefix_root: Annotated[int, Field(ge=0, lt=2**128)] | None = None
+    prefix_root: Key128 | None = None
     kind: HintKind
     worker: Text
     tier: Tier | None = None
     group: Annotated[int, Field(ge=0)] = 0
     first_block: Annotated[int, Field(ge=0)] = 0
     blocks: Annotated[int, Field(ge=0)] = 0
-    keys: tuple[Annotated[int, Field(ge=0, lt=2**128)], ...] = Field(default=(), max_length=1 << 20)
+    keys: tuple[Key128, ...] = Field(default=(), max_length=1 << 20)
     bytes: Annotated[int, Field(ge=0)] = 0
     transfer_id: Text | None = None  # the transfer a pin, unpin, prefetch, cancel or demote belongs to
     descriptor_id: Text | None = None  # whose payloads ``keys`` address (pin, prefetch, demote, evict)

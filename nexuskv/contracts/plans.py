@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contracts.base import Contract, Key128
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.identity import IdentityScope
 
@@ -50,7 +50,7 @@ class PlanRequest(Contract):
     scope: IdentityScope
     block_size: Annotated[int, Field(ge=1, le=1 << 16)]
     prompt_tokens: Count
-    keys: tuple[Annotated[int, Field(ge=0, lt=2**128)], ...] | None = Field(default=None, max_length=1 << 20)
+    keys: tuple[Key128, ...] | None = Field(default=None, max_length=1 << 20)
     token_ids: tuple[Annotated[int, Field(ge=0, lt=2**32)], ...] | None = Field(default=None, max_length=1 << 22)
     arrival_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
     deadline_at: Annotated[float, Field(ge=0)] | None = None  # latest useful start of decode

@@ -65,7 +65,7 @@ class Topic:
 KV_EVENTS = Topic(
     "nexuskv.kv-events", "publisher id", KvEventBatch, "msgpack",
     "batches of lifecycle events with publisher sequence number and incarnation",
-    {"retention.ms": str(7 * DAY_MS)},
+    {"retention.ms": str(7 * DAY_MS)}, versions=(1, 2),
 )
 OBSERVATIONS = Topic(
     "nexuskv.observations", "model and link or tier", ObservationRecord, "json",

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contracts.base import Contract, Key128
 from nexuskv.entries import EntryLocation
 
 __all__ = ["SCHEMA_VERSION", "TransferKind", "TransferStatus", "TransferCommand", "TransferResult"]
@@ -48,7 +48,7 @@ class TransferCommand(Contract):
     kind: TransferKind = TransferKind.MATERIALIZE
     descriptor_id: Text
     tenant_namespace: Text
-    keys: tuple[Annotated[int, Field(ge=0, lt=2**128)], ...] = Field(min_length=1, max_length=1 << 20)
+    keys: tuple[Key128, ...] = Field(min_length=1, max_length=1 << 20)
     source: EntryLocation
     destination: EntryLocation
     bytes: Count

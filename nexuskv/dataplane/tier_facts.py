@@ -5,7 +5,10 @@ publisher: every block it admits, moves or drops is an event of its publisher (t
 whose incarnation is the manager's lifetime. What the index needs to key a block is what an
 engine's ``stored`` event carries — the publisher identity, the block's tokens and its parent —
 so a save hands it over as a :class:`BlockIdentity`; the manager announces the block once, then
-reports its other tiers with token-less tier events and its removals by engine hash. A block's
+reports its other tiers with tier events and its removals by engine hash. The manager holds each
+block's canonical key already (its payload key), so it publishes the keys themselves, in
+version 2 batches (:mod:`nexuskv.contracts.keyed_events`): no consumer recomputes them, and the
+tokens stay off the bus unless ``include_tokens`` (``NEXUSKV_KV_EVENTS_TOKENS=on``). A block's
 engine hash in these events is its canonical key's low 64 bits: this publisher's own name for
 it, meaningful only inside this publisher (as the index treats every engine hash). A block's
 parent must be held by the same publisher when it is announced (the index resolves it there), so
@@ -25,16 +28,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from nexuskv.contracts.kv_events import (
-    MAX_BLOCKS_PER_EVENT,
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-    KvEventBatch,
-    PublisherIdentity,
-)
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedEvent, KeyedStored, Removed, TierStored
+from nexuskv.contracts.kv_events import MAX_BLOCKS_PER_EVENT, PublisherIdentity
 from nexuskv.descriptor import Tier
+from nexuskv.edge_keys import pack_tokens
+from nexuskv.identity import KEY_BYTES
 
 if TYPE_CHECKING:
     from nexuskv.dataplane.payload import PayloadKey
@@ -100,17 +98,18 @@ class TierFacts:
     lock) and handed to ``publish`` in that order by whoever calls :meth:`flush` (outside it).
     """
 
-    def __init__(self, publisher: str, publish: Callable[[KvEventBatch], None] | None, *,
+    def __init__(self, publisher: str, publish: Callable[[KeyedBatch], None] | None, *,
                  identity: PublisherIdentity | None = None, incarnation: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, include_tokens: bool = False) -> None:
         self.publisher = publisher
+        self.include_tokens = include_tokens
         self.publish = publish
         self.identity = identity
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self.clock = clock
         self.seq = 0
         self.batches = 0
-        self._outbox: deque[KvEventBatch] = deque()
+        self._outbox: deque[KeyedBatch] = deque()
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._started = False
@@ -121,15 +120,15 @@ class TierFacts:
             return
         self._started = True
         self.identity = self.identity or identity
-        self.queue([AllCleared()], identity)
+        self.queue([Cleared()], identity)
 
-    def queue(self, events: Iterable[KvEvent], identity: PublisherIdentity) -> None:
+    def queue(self, events: Iterable[KeyedEvent], identity: PublisherIdentity) -> None:
         events = tuple(events)
         if not events or self.publish is None:
             return
         with self._lock:
-            self._outbox.append(KvEventBatch(publisher=self.publisher, incarnation=self.incarnation, seq=self.seq,
-                                             ts=self.clock(), identity=identity, events=events))
+            self._outbox.append(KeyedBatch(publisher=self.publisher, incarnation=self.incarnation, seq=self.seq,
+                                           ts=self.clock(), identity=identity, events=events))
             self.seq += 1
 
     def apply(self, changes: Sequence[TierChange]) -> None:
@@ -137,7 +136,7 @@ class TierFacts:
         if not changes or self.publish is None:
             return
         self.start(changes[0].identity.identity)
-        events: list[KvEvent] = []
+        events: list[KeyedEvent] = []
         ident = changes[0].identity.identity
         i = 0
         while i < len(changes):
@@ -152,9 +151,10 @@ class TierFacts:
             run = changes[i:j]
             group = c.key.group
             if c.kind == "stored":
-                events += stored_events([(x.key.key, x.identity) for x in run], c.tier, group)
+                events += stored_events([(x.key.key, x.identity) for x in run], c.tier, group,
+                                        include_tokens=self.include_tokens)
             elif c.kind == "moved":
-                events += moved_events([x.key.key for x in run], c.tier, group, c.identity.block_size)
+                events += moved_events([x.key.key for x in run], c.tier, group)
             else:
                 events += removed_events([x.key.key for x in run], c.tier, group)
             i = j
@@ -180,26 +180,31 @@ class TierFacts:
             return len(self._outbox)
 
 
-def stored_events(announce: list[tuple[int, BlockIdentity]], tier: Tier, group: int) -> list[BlockStored]:
-    """``stored`` events for blocks announced with their tokens: one per run that chains, in order."""
-    out: list[BlockStored] = []
+def _hashes(keys: Iterable[int]) -> bytes:
+    return b"".join([(k & _MASK64).to_bytes(8, "little") for k in keys])
+
+
+def stored_events(announce: list[tuple[int, BlockIdentity]], tier: Tier, group: int, *,
+                  include_tokens: bool = False) -> list[KeyedStored]:
+    """``stored`` events for announced blocks, with their keys: one per run of one scope, in order."""
+    out: list[KeyedStored] = []
     run: list[tuple[int, BlockIdentity]] = []
 
     def close() -> None:
         if not run:
             return
         first = run[0][1]
-        out.append(BlockStored(
-            engine_hashes=tuple(event_hash(k) for k, _ in run),
-            parent=None if first.parent is None else event_hash(first.parent),
-            token_ids=tuple(t for _, b in run for t in b.tokens), block_size=first.block_size, tier=tier,
-            group=group, tenant_namespace=first.tenant_namespace, lora=first.lora, cache_salt=first.cache_salt))
+        out.append(KeyedStored(
+            engine_hashes=_hashes(k for k, _ in run), keys=b"".join([k.to_bytes(KEY_BYTES, "big") for k, _ in run]),
+            block_size=first.block_size, tier=tier, group=group, tenant_namespace=first.tenant_namespace,
+            lora=first.lora, cache_salt=first.cache_salt,
+            token_ids=pack_tokens(t for _, b in run for t in b.tokens) if include_tokens else None))
         run.clear()
 
     for key, ident in announce:
         if run:
-            prev_key, prev = run[-1]
-            same = (ident.parent == prev_key and ident.block_size == prev.block_size
+            prev = run[-1][1]
+            same = (ident.block_size == prev.block_size
                     and (ident.tenant_namespace, ident.lora, ident.cache_salt)
                     == (prev.tenant_namespace, prev.lora, prev.cache_salt)
                     and len(run) < MAX_BLOCKS_PER_EVENT)
@@ -210,14 +215,12 @@ def stored_events(announce: list[tuple[int, BlockIdentity]], tier: Tier, group: 
     return out
 
 
-def moved_events(keys: list[int], tier: Tier, group: int, block_size: int) -> list[BlockStored]:
-    """Token-less ``stored`` events: blocks this publisher announced are now also in ``tier``."""
-    return [BlockStored(engine_hashes=tuple(event_hash(k) for k in keys[i:i + MAX_BLOCKS_PER_EVENT]),
-                        block_size=block_size, tier=tier, group=group)
+def moved_events(keys: list[int], tier: Tier, group: int) -> list[TierStored]:
+    """Tier events: blocks this publisher announced are now also in ``tier``."""
+    return [TierStored(engine_hashes=_hashes(keys[i:i + MAX_BLOCKS_PER_EVENT]), tier=tier, group=group)
             for i in range(0, len(keys), MAX_BLOCKS_PER_EVENT)]
 
 
-def removed_events(keys: list[int], tier: Tier, group: int) -> list[BlockRemoved]:
-    return [BlockRemoved(engine_hashes=tuple(event_hash(k) for k in keys[i:i + MAX_BLOCKS_PER_EVENT]), tier=tier,
-                         group=group)
+def removed_events(keys: list[int], tier: Tier, group: int) -> list[Removed]:
+    return [Removed(engine_hashes=_hashes(keys[i:i + MAX_BLOCKS_PER_EVENT]), tier=tier, group=group)
             for i in range(0, len(keys), MAX_BLOCKS_PER_EVENT)]

@@ -134,7 +134,8 @@ class ReferenceEngine:
                                      self.model.cache_dtype) if self._rec_layers else None)
         self._hash_of: dict[int, int] = {}  # block key -> engine hash, while any page holds it
         self._events = EventLog(publisher_id=f"{ENGINE_FAMILY}/{worker}", incarnation=incarnation,
-                                identity=self.identity, block_size=spec.block_size, publisher=publisher, clock=clock)
+                                identity=self.identity, block_size=spec.block_size, publisher=publisher, clock=clock,
+                                secret=identity_secret)
 
     # -- describe -------------------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ an :class:`~nexuskv.contracts.observations.ObservationRecord` (one per prefill).
 ``NullEventPublisher``).
 
 Batches carry the publisher id, its incarnation (a restarted runtime takes a new one) and a
-sequence number consecutive from 0 per incarnation.
+sequence number consecutive from 0 per incarnation. They are keyed at the edge: the runtime knows
+its scope and identity secret, so an :class:`~nexuskv.edge_keys.EdgeKeyer` turns each operation's
+events into a version 2 :class:`~nexuskv.contracts.keyed_events.KeyedBatch` (canonical keys packed,
+token ids only with ``include_tokens``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Union
 
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import (
     MAX_BLOCKS_PER_EVENT,
     AllCleared,
@@ -27,10 +31,11 @@ from nexuskv.contracts.kv_events import (
 )
 from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.descriptor import Tier
+from nexuskv.edge_keys import EdgeKeyer
 
 __all__ = ["Record", "Publisher", "null_publisher", "EventLog"]
 
-Record = Union[KvEventBatch, ObservationRecord]
+Record = Union[KeyedBatch, KvEventBatch, ObservationRecord]
 Publisher = Callable[[Record], None]
 
 
@@ -42,8 +47,10 @@ class EventLog:
     """Collects one operation's events; :meth:`flush` publishes them as one numbered batch."""
 
     def __init__(self, *, publisher_id: str, incarnation: int, identity: PublisherIdentity, block_size: int,
-                 publisher: Publisher, clock: Callable[[], float]) -> None:
+                 publisher: Publisher, clock: Callable[[], float], secret: bytes = b"",
+                 include_tokens: bool = False) -> None:
         self.publisher_id = publisher_id
+        self.keyer = EdgeKeyer(secret, include_tokens=include_tokens)
         self.incarnation = incarnation
         self.identity = identity
         self.block_size = block_size
@@ -71,12 +78,13 @@ class EventLog:
     def cleared(self, tier: Tier | None = Tier.GPU) -> None:
         self._events.append(AllCleared(tier=tier))
 
-    def flush(self) -> KvEventBatch | None:
-        """Publish the collected events as the next batch (nothing when there are none)."""
+    def flush(self) -> KeyedBatch | None:
+        """Publish the collected events as the next batch, keyed (nothing when there are none)."""
         if not self._events:
             return None
-        batch = KvEventBatch(publisher=self.publisher_id, incarnation=self.incarnation, seq=self.seq,
-                             ts=self.clock(), identity=self.identity, events=tuple(self._events))
+        batch = KeyedBatch(publisher=self.publisher_id, incarnation=self.incarnation, seq=self.seq,
+                           ts=self.clock(), identity=self.identity,
+                           events=tuple(self.keyer.key_events(self.identity, self._events)))
         self._events = []
         self.seq += 1
         self.publisher(batch)

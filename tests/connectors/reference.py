@@ -7,6 +7,7 @@ move state; :func:`slow_links` makes every link slower than recomputing, so it d
 
 from __future__ import annotations
 
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.cost import ComputeCost, CostModel, HardwareProfile, LinearCost, LinkCost
 from nexuskv.descriptor import StateDescriptor, Tier
@@ -45,6 +46,6 @@ class IndexFeed:
         self.batches = 0
 
     def __call__(self, record: Record) -> None:
-        if isinstance(record, KvEventBatch):
+        if isinstance(record, (KvEventBatch, KeyedBatch)):
             assert self.index.apply(record).status == "applied"
             self.batches += 1

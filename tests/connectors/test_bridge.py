@@ -8,7 +8,12 @@ from connectors.bridge import ENGINE_CLEARS, BridgeConfig, EventBridge, publishe
 from connectors.kv_wire import EngineBatch, EngineCleared, EngineRemoved, EngineStored
 from connectors.wire_formats import encode_batch
 from connectors.zmq_events import RawBatch, SequenceTracker
+from nexuskv.contracts import codec
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, unpack_hashes
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored
+from nexuskv.contracts.topics import KV_EVENTS
+from nexuskv.edge_keys import scope_of
+from nexuskv.identity import BlockKeyer
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
 from tests.factories import publisher_identity
@@ -102,11 +107,11 @@ def test_bridge_incarnations_and_clears_on_restart(tmp_path):
                          clock_ns=lambda: next(ticks))
     first = bridge.handle(_raw(0))
     assert first.publisher == "vllm/pod-a/dp0" and first.incarnation == 1000
-    assert isinstance(first.events[0], AllCleared)  # a fresh engine starts empty
+    assert isinstance(first.events[0], Cleared)  # a fresh engine starts empty
     second = bridge.handle(_raw(1))
-    assert second.incarnation == 1000 and not isinstance(second.events[0], AllCleared)
+    assert second.incarnation == 1000 and not isinstance(second.events[0], Cleared)
     restarted = bridge.handle(_raw(0, restart=True))
-    assert restarted.incarnation > 1000 and restarted.events[0] == AllCleared()  # every tier: ends the uncertainty
+    assert restarted.incarnation > 1000 and restarted.events[0] == Cleared()  # every tier: ends the uncertainty
     assert bridge.stats["restarts"] == 1
     bridge._save_state()
     again = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, state_file=tmp_path / "bridge.json"),
@@ -131,3 +136,24 @@ def test_sequence_tracker_verdicts():
     assert late.classify("b", 3).kind == "restart"
     fresh = SequenceTracker()
     assert fresh.classify("c", 5).replay_from == 0  # joined late: fetch history from 0
+
+
+def test_bridge_publishes_keys_not_tokens():
+    """The bridge keys each stored run at the edge (the index's own keys) and leaves token ids off."""
+    events = [EngineStored(block_hashes=(5, 6), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2,
+                           medium="GPU"),
+              EngineStored(block_hashes=(7,), parent_block_hash=6, token_ids=(5, 6), block_size=2, medium="CPU"),
+              EngineStored(block_hashes=(9,), parent_block_hash=8, token_ids=(7, 8), block_size=2, medium="GPU"),
+              EngineRemoved(block_hashes=(5,), medium="GPU")]
+    raw = RawBatch("kv@pod-a@m", 0, encode_batch(events, fmt="vllm-0.33", ts=1.0))
+    for tokens in (False, True):
+        bridge = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, identity_secret=b"s" * 16,
+                                          include_tokens=tokens))
+        out = codec.decode(KV_EVENTS, codec.encode(KV_EVENTS, bridge.handle(raw)))
+        assert isinstance(out, KeyedBatch)
+        want = BlockKeyer(scope_of(IDENTITY, None, None, None), 2, b"s" * 16).digests([1, 2, 3, 4, 5, 6])
+        stored = [e for e in out.events if isinstance(e, KeyedStored)]
+        assert [unpack_hashes(e.engine_hashes) for e in stored] == [[5, 6], [7]]  # 9 hangs from an unknown 8
+        assert stored[0].keys == want[0] + want[1] and stored[1].keys == want[2] and stored[1].tier is Tier.HOST
+        assert all((e.token_ids is not None) is tokens for e in stored)
+        assert isinstance(out.events[-1], Removed) and bridge.stats["unresolved_blocks"] == 1

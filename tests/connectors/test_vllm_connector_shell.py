@@ -112,6 +112,7 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     from connectors.vllm.tier_publisher import tier_publisher_name
     from connectors.vllm.wiring import build_scheduler_side, build_worker_side
     from nexuskv.config import Settings
+    from nexuskv.contracts.keyed_events import KeyedBatch
     from nexuskv.contracts.kv_events import KvEventBatch
     from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS
     from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec
@@ -135,7 +136,7 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
         def engine(incarnation: int, w) -> VllmStandIn:
             rt = ReferenceEngine(spec, tenant_namespace=tenant, worker="w-shell", model=probe_rt.model,
                                   incarnation=incarnation,
-                                  publisher=lambda r: bus.publish(r) if isinstance(r, KvEventBatch) else None)
+                                  publisher=lambda r: bus.publish(r) if isinstance(r, (KvEventBatch, KeyedBatch)) else None)
             return VllmStandIn(rt, sched, w)
 
         first = engine(1, worker)

@@ -13,7 +13,7 @@ import pytest
 
 from connectors.bridge import BridgeConfig, EventBridge
 from connectors.zmq_events import KvEventSubscriber
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, TierStored, unpack_hashes
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
@@ -58,18 +58,18 @@ def _publisher(tmp_path, script, name, endpoints, topic, fmt):
     return proc
 
 
-def _fold(batches: list[KvEventBatch]) -> dict[tuple[int, str], set[int]]:
+def _fold(batches: list[KeyedBatch]) -> dict[tuple[int, str], set[int]]:
     """(incarnation, tier) -> engine hashes present, as a consumer of the topic reconstructs them."""
     state: dict[tuple[int, str], set[int]] = {}
     for b in batches:
         for e in b.events:
-            if isinstance(e, AllCleared):
+            if isinstance(e, Cleared):
                 for key in [k for k in state if k[0] == b.incarnation]:
                     state[key].clear()
-            elif isinstance(e, BlockStored):
-                state.setdefault((b.incarnation, e.tier.value), set()).update(e.engine_hashes)
-            elif isinstance(e, BlockRemoved):
-                state.setdefault((b.incarnation, e.tier.value), set()).difference_update(e.engine_hashes)
+            elif isinstance(e, (KeyedStored, TierStored)):
+                state.setdefault((b.incarnation, e.tier.value), set()).update(unpack_hashes(e.engine_hashes))
+            elif isinstance(e, Removed):
+                state.setdefault((b.incarnation, e.tier.value), set()).difference_update(unpack_hashes(e.engine_hashes))
     return state
 
 
@@ -103,7 +103,7 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path, 
                 await asyncio.sleep(0.1)
             proc.stdin.close()
             proc.wait(10)
-        assert bridge.stats == {"forwarded": 8, "dead_lettered": 0, "restarts": 1, "block_ops": 11}
+        assert bridge.stats == {"forwarded": 8, "dead_lettered": 0, "restarts": 1, "block_ops": 11, "unresolved_blocks": 0}
         assert subscriber.stats["gaps"] == 1 and subscriber.stats["replayed"] == 2
         assert subscriber.stats["unrepaired"] == 0 and subscriber.stats["restarts"] == 1
     finally:
@@ -117,7 +117,7 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path, 
 
     consumer = make_consumer(kafka_url, KV_EVENTS, client_id="bridge-test-reader", group_id=f"g-{uuid.uuid4().hex}")
     await consumer.start()
-    mine: list[KvEventBatch] = []
+    mine: list[KeyedBatch] = []
     try:
         while len(mine) < 8:
             records = await asyncio.wait_for(consumer.getmany(timeout_ms=1000), 30)
@@ -136,7 +136,7 @@ async def test_gap_repaired_restart_detected_through_kafka(kafka_url, tmp_path, 
     first = [b.seq for b in mine if b.incarnation == incarnations[0]]
     second = [b.seq for b in mine if b.incarnation == incarnations[1]]
     assert first == [0, 1, 2, 3, 4, 5] and second == [0, 1]  # in order, the gap filled by replay
-    assert isinstance(next(b for b in mine if b.incarnation == incarnations[1]).events[0], AllCleared)
+    assert isinstance(next(b for b in mine if b.incarnation == incarnations[1]).events[0], Cleared)
     state = _fold(mine)
     # The publisher's truth: engine A ended with {2, 3, 4, 6}; after the restart only B's {7} exists.
     assert state[(incarnations[0], "gpu")] == {2, 3, 4, 6}

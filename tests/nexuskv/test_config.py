@@ -36,11 +36,14 @@ def test_settings_from_env_and_errors_name_the_variable():
     assert s.broker_url.hosts == (("h", 1),) and s.topic_partitions == 3 and s.data_dir == Path("/tmp/x")
     assert s.log_level == "DEBUG"
     assert Settings.from_env({}).broker is None and Settings.from_env({"NEXUSKV_BROKER": " "}).broker is None
+    assert not Settings.from_env({}).kv_event_tokens  # token ids stay off the bus unless asked for
+    assert Settings.from_env({"NEXUSKV_KV_EVENTS_TOKENS": "on"}).kv_event_tokens
     for env, var in [({"NEXUSKV_TOPIC_PARTITIONS": "zero"}, "NEXUSKV_TOPIC_PARTITIONS"),
                      ({"NEXUSKV_TOPIC_PARTITIONS": "0"}, "NEXUSKV_TOPIC_PARTITIONS"),
                      ({"NEXUSKV_BROKER": "nope"}, "NEXUSKV_BROKER"),
                      ({"NEXUSKV_LOG_LEVEL": "loud"}, "NEXUSKV_LOG_LEVEL"),
-                     ({"NEXUSKV_IDENTITY_SECRET": "x" * 65}, "NEXUSKV_IDENTITY_SECRET")]:
+                     ({"NEXUSKV_IDENTITY_SECRET": "x" * 65}, "NEXUSKV_IDENTITY_SECRET"),
+                     ({"NEXUSKV_KV_EVENTS_TOKENS": "yes"}, "NEXUSKV_KV_EVENTS_TOKENS")]:
         with pytest.raises(ConfigError) as info:
             Settings.from_env(env)
         assert info.value.field == var

@@ -140,7 +140,7 @@ def _good():
         (encode(KV_EVENTS, kv_batch())[:-7], "undecodable"),
         (b"\xc1\xc1\xc1", "undecodable"),
         (msgpack.packb([1, 2, 3]), "top level must be a map"),
-        (msgpack.packb({**_good(), "schema_version": 2}), "schema_version 2"),
+        (msgpack.packb({**_good(), "schema_version": 3}), "schema_version 3"),
         (msgpack.packb({k: v for k, v in _good().items() if k != "schema_version"}), "schema_version is missing"),
         (msgpack.packb({**_good(), "seq": "seven"}), "seq"),
         (msgpack.packb({**_good(), "events": [{"type": "exploded"}]}), "events"),

@@ -262,6 +262,9 @@ def test_a_presized_index_answers_the_same(backend):
     assert big.facts() == small.facts() and big.lookup(scope(), keys()) == small.lookup(scope(), keys())
     if backend == "native":  # the Python core's dicts size themselves
         assert big.stats().core_nbytes > small.stats().core_nbytes
+        # ... and the sizing survives the first stores: the shrink rule keeps the presized floor
+        sized = GlobalIndex(secret=SECRET, backend=backend, expected_blocks=100_000).stats().core_nbytes
+        assert big.stats().core_nbytes >= sized
 
 
 def test_a_tier_publishers_locations_are_its_workers_and_survive_a_checkpoint(backend):

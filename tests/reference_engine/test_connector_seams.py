@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nexuskv.contracts.kv_events import BlockStored, KvEventBatch
+from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, TierStored, unpack_hashes
 from nexuskv.descriptor import Tier
+from nexuskv.identity import BlockKeyer
 from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine
 
 PROMPT = list(range(1, 27))  # 6 full blocks of 4
 
 
-def _runtime(**kw) -> tuple[ReferenceEngine, list[KvEventBatch]]:
-    batches: list[KvEventBatch] = []
-    rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=lambda r: batches.append(r) if isinstance(r, KvEventBatch)
+def _runtime(**kw) -> tuple[ReferenceEngine, list[KeyedBatch]]:
+    batches: list[KeyedBatch] = []
+    rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=lambda r: batches.append(r) if isinstance(r, KeyedBatch)
                           else None, **kw)
     return rt, batches
 
@@ -39,11 +40,13 @@ def test_allocated_blocks_are_announced_only_when_adopted():
     rt.adopt_blocks(PROMPT, 0, 2)
     rt.release_blocks(PROMPT, 2, 3)
     (stored,) = batches[-1].events
-    assert isinstance(stored, BlockStored) and len(stored.engine_hashes) == 2 and stored.token_ids == tuple(PROMPT[:8])
+    # Keyed by the runtime (no token ids on the bus): the keys of the prompt's first two blocks.
+    assert isinstance(stored, KeyedStored) and len(stored) == 2 and stored.token_ids is None
+    assert stored.keys == b"".join(BlockKeyer(rt.scope, rt.block_size).digests(PROMPT[:8]))
     assert rt.computed_tokens(PROMPT) == 8  # the adopted blocks are cache hits, the released one is gone
-    rt.announce_copies(stored.engine_hashes, Tier.DISK)
+    rt.announce_copies(unpack_hashes(stored.engine_hashes), Tier.DISK)
     (copy,) = batches[-1].events
-    assert copy.tier is Tier.DISK and copy.is_tier_event
+    assert copy.tier is Tier.DISK and isinstance(copy, TierStored)
 
 
 def test_allocation_that_does_not_fit_gives_back_what_it_took():

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from nexuskv.contracts import codec
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch
+from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, TierStored, unpack_hashes
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS
 from nexuskv.dataplane import DiskBackend, HostMemoryBackend
@@ -21,8 +21,8 @@ PROMPT = [(5 * i + 1) % 256 for i in range(18)]
 
 class Sink(list):
     @property
-    def batches(self) -> list[KvEventBatch]:
-        return [r for r in self if isinstance(r, KvEventBatch)]
+    def batches(self) -> list[KeyedBatch]:
+        return [r for r in self if isinstance(r, KeyedBatch)]
 
     @property
     def observations(self) -> list[PrefillObservation]:
@@ -44,28 +44,28 @@ def test_engine_hash_matches_its_documented_formula():
     assert engine_hashes(tokens + [9, 9], 4) == expected
 
 
-def test_stored_events_carry_tokens_and_engine_hashes_an_index_can_key():
+def test_stored_events_carry_canonical_keys_and_engine_hashes():
     sink = Sink()
     rt = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=sink.append, incarnation=7, worker="w-a")
     rt.prefill(PROMPT[:9])
     rt.prefill(PROMPT)
-    stored = sink.events(BlockStored)
-    assert [len(e.engine_hashes) for e in stored] == [2, 2]  # blocks 0-1, then 2-3
+    stored = sink.events(KeyedStored)
+    assert [len(e) for e in stored] == [2, 2]  # blocks 0-1, then 2-3
     hashes = engine_hashes(PROMPT, 4)
-    assert stored[0].engine_hashes == tuple(hashes[:2]) and stored[0].parent is None
-    assert stored[1].engine_hashes == tuple(hashes[2:4]) and stored[1].parent == hashes[1]
-    assert stored[1].token_ids == tuple(PROMPT[8:16]) and stored[0].tier is Tier.GPU
+    assert unpack_hashes(stored[0].engine_hashes) == hashes[:2] and unpack_hashes(stored[1].engine_hashes) == hashes[2:4]
+    assert all(e.token_ids is None for e in stored) and stored[0].tier is Tier.GPU  # no prompt content on the bus
     batches = sink.batches
     assert [b.seq for b in batches] == [0, 1] and {b.incarnation for b in batches} == {7}
     assert batches[0].publisher == "nexuskv-reference/w-a"
     assert batches[0].identity.descriptor_id == rt.describe().descriptor_id
-    # an index keys the blocks canonically from the tokens the events carry (not from engine hashes)
+    # the runtime keyed the blocks canonically, in the scope of the batch's identity (not by engine hash)
     ident = batches[0].identity
     scope = IdentityScope(tenant_namespace=ident.tenant_namespace, model=ident.model,
                           model_revision=ident.model_revision, tokenizer_revision=ident.tokenizer_revision,
                           descriptor_id=ident.descriptor_id)
-    tokens = [t for e in stored for t in e.token_ids]
-    assert BlockKeyer(scope, 4).keys(tokens) == rt.block_keys(PROMPT)
+    keys = b"".join(e.keys for e in stored)
+    assert keys == b"".join(BlockKeyer(scope, 4).digests(PROMPT[:16]))
+    assert [int.from_bytes(keys[i:i + 16], "big") for i in range(0, 64, 16)] == rt.block_keys(PROMPT)
     assert set(hashes).isdisjoint(rt.block_keys(PROMPT))
     for b in batches:  # every batch survives the topic codec
         assert codec.decode(KV_EVENTS, codec.encode(KV_EVENTS, b)) == b
@@ -77,12 +77,12 @@ def test_evictions_are_removed_events_and_reset_clears():
     a, b = PROMPT[:16], [200 + i % 50 for i in range(16)]
     rt.prefill(a)
     rt.prefill(b)  # four new pages: a's four are evicted, deepest first
-    removed = sink.events(BlockRemoved)
+    removed = sink.events(Removed)
     a_hashes = engine_hashes(a, 4)
-    assert [h for e in removed for h in e.engine_hashes] == a_hashes[::-1]
+    assert [h for e in removed for h in unpack_hashes(e.engine_hashes)] == a_hashes[::-1]
     assert rt.cached_blocks() == 4 and rt.lookup(a).tokens == 0
     rt.reset()
-    assert isinstance(sink.batches[-1].events[-1], AllCleared) and sink.batches[-1].events[-1].tier is Tier.GPU
+    assert isinstance(sink.batches[-1].events[-1], Cleared) and sink.batches[-1].events[-1].tier is Tier.GPU
     assert rt.cached_blocks() == 0
 
 
@@ -90,11 +90,11 @@ def test_the_hybrid_announces_checkpoints_in_their_own_group():
     sink = Sink()
     rt = ReferenceEngine(ReferenceModelSpec.hybrid(), publisher=sink.append)
     rt.prefill(PROMPT)  # 18 tokens: 4 blocks, checkpoints after 8 and 16
-    stored = sink.events(BlockStored)
-    groups = [(e.group, e.engine_hashes) for e in stored]
+    stored = sink.events(KeyedStored)
+    groups = [(e.group, unpack_hashes(e.engine_hashes)) for e in stored]
     hashes = engine_hashes(PROMPT, 4)
-    assert groups == [(0, tuple(hashes[:4])), (1, (hashes[1],)), (1, (hashes[3],))]
-    assert stored[2].parent == hashes[2] and stored[2].token_ids == tuple(PROMPT[12:16])
+    assert groups == [(0, hashes[:4]), (1, [hashes[1]]), (1, [hashes[3]])]
+    assert stored[2].keys == stored[0].keys[48:64]  # the checkpoint after block 3 names block 3's state
 
 
 def test_prefills_are_observed_for_calibration():
@@ -119,19 +119,19 @@ def test_save_announces_tier_copies_and_load_announces_restored_blocks(tmp_path)
     disk = DiskBackend(tmp_path, 1 << 20)
     writer.save(PROMPT, disk)
     tier_event = sink.batches[-1].events[0]
-    assert tier_event.tier is Tier.DISK and tier_event.is_tier_event
-    assert tier_event.engine_hashes == tuple(engine_hashes(PROMPT, 4))
+    assert tier_event.tier is Tier.DISK and isinstance(tier_event, TierStored)
+    assert unpack_hashes(tier_event.engine_hashes) == engine_hashes(PROMPT, 4)
     quiet = Sink()
     writer2 = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=quiet.append)
     writer2.prefill(PROMPT)
     writer2.save(PROMPT, HostMemoryBackend(1 << 20), announce=False)
-    assert not any(e.tier is Tier.HOST for e in quiet.events(BlockStored))
+    assert not any(e.tier is Tier.HOST for e in quiet.events(KeyedStored) + quiet.events(TierStored))
 
     reader_sink = Sink()
     reader = ReferenceEngine(ReferenceModelSpec.gqa(), publisher=reader_sink.append)
     reader.load(PROMPT, disk)
-    (loaded,) = reader_sink.events(BlockStored)
-    assert loaded.tier is Tier.GPU and loaded.token_ids == tuple(PROMPT[:16])
+    (loaded,) = reader_sink.events(KeyedStored)
+    assert loaded.tier is Tier.GPU and loaded.keys == b"".join(BlockKeyer(reader.scope, 4).digests(PROMPT[:16]))
 
 
 @pytest.mark.parametrize("bad", [[], [256], [-1]])

@@ -21,10 +21,11 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from nexuskv.contracts import codec
+from nexuskv.contracts import codec, keyed_events
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS
+from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.index import GlobalIndex
 from streams.bus import make_consumer, make_producer
 from streams.index_api import make_lookup_app
@@ -69,6 +70,17 @@ async def _produce(url, topic: str, items: list[tuple[bytes, bytes]]) -> None:
 
 def _encoded(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
     return [(b.publisher.encode(), codec.encode(KV_EVENTS, b)) for b in batches]
+
+
+def _encoded_mixed(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
+    """Every other batch as kv-events version 2, keyed by its publisher's edge keyer (the others as
+    version 1: old and new publishers side by side; one publisher's batches may switch)."""
+    keyers: dict[str, EdgeKeyer] = {}
+    out = []
+    for i, b in enumerate(batches):
+        keyed = keyers.setdefault(b.publisher, EdgeKeyer(SECRET.encode())).key_batch(b)
+        out.append((b.publisher.encode(), codec.encode(KV_EVENTS, keyed if i % 2 == 0 else b)))
+    return out
 
 
 async def _end_offsets(url, topic: str) -> dict[int, int]:
@@ -199,7 +211,7 @@ def _malformed(valid: bytes, i: int) -> tuple[bytes, str]:
     elif kind == 3:
         doc["events"] = [{"type": "removed", "engine_hashes": list(range(5000))}]
     else:
-        doc["schema_version"] = 2
+        doc["schema_version"] = 3
     return msgpack.packb(doc, use_bin_type=True), ("wrong type", "unknown tag", "oversized", "schema version")[kind - 1]
 
 
@@ -208,7 +220,8 @@ async def test_a_thousand_malformed_payloads_go_to_the_dead_letter_topic_and_val
     truth = replay.resident(SECRET.encode())
     topic, group, dead = _names()
     await _topics(kafka_url, topic, dead)
-    valid = _encoded(batches)
+    valid = _encoded_mixed(batches)
+    assert sum(keyed_events.is_keyed_payload(v) for _k, v in valid) == (len(valid) + 1) // 2
     templates = [v for _k, v in valid]
     items, bad = [], []
     for i in range(1000):

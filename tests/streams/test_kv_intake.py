@@ -112,3 +112,46 @@ def test_sliced_decoding_gives_what_the_codec_gives(batches):
             assert isinstance(want, str) and got == want
 
     asyncio.run(main())
+
+
+def test_version_2_records_take_the_same_checks(batches):
+    """Pre-keyed batches: signed over their raw bytes like any record, decoded in slices when large,
+    with the same reasons as the codec gives."""
+    from nexuskv.contracts.keyed_events import encode_keyed
+    from nexuskv.edge_keys import EdgeKeyer
+    from streams.kv_intake import _decode_keyed_sliced
+
+    keyers: dict[str, EdgeKeyer] = {}
+    keyed = [keyers.setdefault(b.publisher, EdgeKeyer(b"intake-identity")).key_batch(b) for b in batches]
+    intake = KvIntake(KV_EVENTS, partitions=4, bus_secret=BUS)
+    genuine = BatchSigner(bus_secret=BUS)
+    for k in keyed[:3]:
+        assert intake.batch(_record(k, genuine)) == k
+    with pytest.raises(UnauthenticatedError, match="no nexuskv-sig header"):
+        intake.batch(_record(keyed[0]))
+    forged = _record(keyed[0], genuine)
+    forged.value = forged.value.replace(keyed[0].publisher.encode(), keyed[0].publisher.encode()[:-1] + b"X")
+    with pytest.raises(UnauthenticatedError, match="does not match"):
+        intake.batch(forged)
+
+    async def main():
+        from nexuskv.contracts.keyed_events import Cleared, KeyedBatch
+
+        big = KeyedBatch(publisher="p", incarnation=1, seq=0, ts=0.0, identity=keyed[0].identity,
+                         events=tuple(e for k in keyed for e in k.events) + (Cleared(),) * 20_000)
+        raw = encode_keyed(big)
+        assert len(raw) > INLINE_BYTES
+        slicer = Slicer(slice_s=0.0)
+        assert await _decode_keyed_sliced(raw, slicer) == codec.decode(KV_EVENTS, raw) == big
+        assert slicer.pauses > 1
+        assert await intake.take(_record(big, genuine), Slicer()) == big
+        broken = raw.replace(b"\xa7cleared", b"\xa7clearex", 1)
+        with pytest.raises(ContractError) as sliced:
+            await _decode_keyed_sliced(broken, Slicer())
+        with pytest.raises(ContractError) as whole:
+            codec.decode(KV_EVENTS, broken)
+        assert str(sliced.value) == str(whole.value) and "events[" in str(whole.value)
+        with pytest.raises(ContractError, match="truncated"):
+            await _decode_keyed_sliced(raw[:-3], Slicer())
+
+    asyncio.run(main())

@@ -21,6 +21,7 @@ import pytest
 from nexuskv.config import Settings
 from nexuskv.contracts import encode
 from nexuskv.contracts.decisions import Action
+from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
@@ -258,7 +259,7 @@ async def test_the_service_overfilled_on_kafka_keeps_its_index_true(kafka_url, t
 
     # An index rebuilt from what the service published holds exactly what the tiers hold.
     index = GlobalIndex()
-    batches = await _collect(kafka_url, KV_EVENTS, lambda b: isinstance(b, KvEventBatch) and b.publisher == worker,
+    batches = await _collect(kafka_url, KV_EVENTS, lambda b: isinstance(b, (KvEventBatch, KeyedBatch)) and b.publisher == worker,
                              until=lambda bs: len(bs) >= manager.facts.batches)
     for b in sorted(batches, key=lambda b: b.seq):
         index.apply(b)

@@ -21,6 +21,7 @@ import torch
 
 from nexuskv.config import BrokerUrl
 from nexuskv.contracts.dead_letter import DeadLetter
+from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, TierStored
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS, OBSERVATIONS, TRANSFER_RESULTS, TRANSFERS, Topic
@@ -183,7 +184,7 @@ async def test_disk_host_device_through_the_embedded_broker(tmp_path):
                 stop.set()
                 await asyncio.wait_for(task, TIMEOUT_S)
             observations = await _collect(url, OBSERVATIONS, lambda o: isinstance(o, ObservationRecord), 3)
-            batches = await _collect(url, KV_EVENTS, lambda b: isinstance(b, KvEventBatch), 2)
+            batches = await _collect(url, KV_EVENTS, lambda b: isinstance(b, (KvEventBatch, KeyedBatch)), 2)
         finally:
             await producer.stop()
 
@@ -193,8 +194,9 @@ async def test_disk_host_device_through_the_embedded_broker(tmp_path):
     assert links == {"disk->host", "host->gpu"}
     assert any(isinstance(o.observation, PrefillObservation) for o in observations)
     assert batches[0].publisher == f"nexuskv-reference/{worker}"
-    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
-    assert stored[0].token_ids == tuple(PROMPT[:20]) and stored[1].tier is Tier.DISK
+    stored = [e for b in batches for e in b.events if isinstance(e, (BlockStored, KeyedStored, TierStored))]
+    assert isinstance(stored[0], KeyedStored) and len(stored[0]) == 5 and stored[0].token_ids is None  # keyed, no tokens
+    assert stored[1].tier is Tier.DISK
     assert device.capabilities.stand_in and len(device.keys()) == 5
     reader = ReferenceEngine(SPEC, model=MODEL, registry=registry)
     assert reader.load(PROMPT, device).blocks == 5

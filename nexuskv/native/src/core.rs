@@ -194,6 +194,9 @@ impl Core {
 
     /// Size the block table for `blocks` blocks now (it still grows past them).
     pub fn presize(&mut self, blocks: usize) {
+        // Kept as the table's floor: the shrink rule (live * 8 < capacity) would otherwise undo
+        // the sizing at the first store into the still nearly empty table.
+        self.blocks.t.floor = self.blocks.t.floor.max(blocks);
         if blocks > self.blocks.t.live && self.blocks.t.needs_rebuild(blocks - self.blocks.t.live) {
             self.rebuild_blocks(blocks);
         }
@@ -362,8 +365,8 @@ impl Core {
             }
         }
         if self.blocks.t.should_shrink() || self.blocks.t.worn {
-            let live = self.blocks.t.live;
-            self.rebuild_blocks(live);
+            let keys = self.blocks.t.live.max(self.blocks.t.floor);
+            self.rebuild_blocks(keys);
         }
     }
 

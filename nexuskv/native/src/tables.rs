@@ -211,6 +211,7 @@ pub struct BlockTable {
     pub max_load: f64,
     pub rebuilds: u64,
     pub worn: bool, // a generation neared its end: rebuild (which restarts them) soon
+    pub floor: usize, // keys the table was sized for up front (presize): it never shrinks below them
 }
 
 impl BlockTable {
@@ -228,6 +229,7 @@ impl BlockTable {
             max_load,
             rebuilds: 0,
             worn: false,
+            floor: 0,
         };
         t.allocate(8);
         t
@@ -366,7 +368,7 @@ impl BlockTable {
     }
 
     pub fn should_shrink(&self) -> bool {
-        self.nb > 64 && self.live * 8 < self.capacity()
+        self.nb > 64 && self.live.max(self.floor) * 8 < self.capacity()
     }
 
     /// Rebuild for `keys` keys. Returns, per old slot, its new slot (NONE: it was empty) and

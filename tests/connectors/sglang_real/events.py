@@ -19,7 +19,8 @@ from typing import Any
 from connectors.bridge import BridgeConfig, EventBridge
 from connectors.descriptors import publisher_identity, resolve_descriptor
 from connectors.zmq_events import KvEventSubscriber
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch
+from nexuskv.contracts.keyed_events import KeyedBatch
+from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
@@ -83,7 +84,7 @@ class Line:
         self._task: asyncio.Task | None = None
         self._stop: asyncio.Event | None = None
         self._producer = None
-        self.received: list[KvEventBatch] = []
+        self.received: list[KeyedBatch] = []
         self._consumer = None
         self._handled = 0  # batches handled by earlier bridges of this line
 
@@ -188,7 +189,7 @@ class Line:
                                      f"subscriber {self.subscriber.stats}")
             await asyncio.sleep(0.05)
 
-    async def read(self, count: int, timeout: float = 60.0) -> list[KvEventBatch]:
+    async def read(self, count: int, timeout: float = 60.0) -> list[KeyedBatch]:
         """This publisher's batches on ``nexuskv.kv-events``, at least ``count`` of them, in topic order."""
         if self._consumer is None:
             self._consumer = make_consumer(self.kafka_url, KV_EVENTS, client_id=f"reader-{self.pod}",
