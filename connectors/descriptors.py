@@ -40,9 +40,10 @@ def resolve_descriptor(*, model: str | None = None, descriptor_path: str | Path 
     return known_model(model, **overrides)
 
 
-def publisher_identity(descriptor: StateDescriptor) -> PublisherIdentity:
-    """What a publisher of ``descriptor``'s blocks names in its kv-events batches."""
+def publisher_identity(descriptor: StateDescriptor, *, worker: str | None = None) -> PublisherIdentity:
+    """What a publisher of ``descriptor``'s blocks names in its kv-events batches; ``worker``: the
+    engine worker whose tier it announces (its name must be under the worker's)."""
     d = descriptor
     return PublisherIdentity(tenant_namespace=d.tenant_namespace, model=d.model, model_revision=d.model_revision,
                              tokenizer_revision=d.tokenizer_revision, descriptor_id=d.descriptor_id,
-                             engine_family=d.engine_family)
+                             engine_family=d.engine_family, worker=worker)

@@ -61,6 +61,8 @@ unless ``expected_blocks`` sized the block table up front.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Sequence
@@ -293,6 +295,9 @@ class GlobalIndex:
         if admission == "duplicate":
             self._count.duplicate_batches += 1
             return ApplyOutcome("duplicate", 0, not pub.certain)
+        worker = identity.worker
+        if worker is not None and worker != pub.worker and publisher.startswith(worker + "/"):
+            self._locate_at(pub, worker)
         ops = 0
         for event in events:
             kind = type(event)
@@ -393,10 +398,18 @@ class GlobalIndex:
         if loc is None:
             loc = self._core.add_location(pub.pid)
             assert loc == len(self._locations)
-            entry = EntryLocation(worker=pub.name, tier=tier, group=group)
+            entry = EntryLocation(worker=pub.worker or pub.name, tier=tier, group=group)
             self._locations.append(_Location(pub.pid, tier, group, entry, (pub.name, tier.value, group)))
             pub.locs[(tier, group)] = loc
         return loc
+
+    def _locate_at(self, pub: PublisherState, worker: str) -> None:
+        """The publisher's locations are ``worker``'s (its identity says so; see ``PublisherIdentity.worker``)."""
+        pub.worker = worker
+        for i in pub.locs.values():
+            old = self._locations[i]
+            entry = EntryLocation(worker=worker, tier=old.entry.tier, group=old.entry.group)
+            self._locations[i] = dataclasses.replace(old, entry=entry)
 
     # -- bounds ----------------------------------------------------------------------------------------
 
@@ -591,7 +604,7 @@ class GlobalIndex:
                 reason=pub.reason, in_snapshot=pub.in_snapshot, snapshot_clean=pub.snapshot_clean,
                 locations=tuple(pub.locs), held=tuple(held_of[loc] for loc in pub.locs.values()),
                 engine_hashes=np.frombuffer(hashes, "<u8").astype(np.uint64),
-                key_lo=words[:, 1].copy(), key_hi=words[:, 0].copy(), scope=local))
+                key_lo=words[:, 1].copy(), key_hi=words[:, 0].copy(), scope=local, worker=pub.worker))
         scope_list = [self._scopes[sid] for sid, _ in sorted(scopes.items(), key=lambda kv: kv[1])]
         return encode_checkpoint(IndexCheckpoint(tuple(scope_list), tuple(out)))
 
@@ -615,6 +628,8 @@ class GlobalIndex:
             pub.incarnation, pub.next_seq = item.incarnation, item.next_seq
             pub.certain, pub.reason = item.certain, item.reason
             pub.in_snapshot, pub.snapshot_clean = item.in_snapshot, item.snapshot_clean
+            if item.worker is not None and item.worker != pub.worker and item.name.startswith(item.worker + "/"):
+                self._locate_at(pub, item.worker)
             keys = np.stack((item.key_hi, item.key_lo), axis=1).astype(">u8").tobytes()
             sids = np.array([self._scope_id(cp.scopes[j], create=True) for j in item.scope.tolist()], "<u4").tobytes()
             held = [(self._location(pub, tier, group), np.asarray(rows, "<u4").tobytes())

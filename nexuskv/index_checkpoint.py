@@ -40,6 +40,7 @@ class PublisherCheckpoint:
     key_lo: np.ndarray  # uint64, per row: the canonical key's low and high halves
     key_hi: np.ndarray
     scope: np.ndarray  # uint32, per row: index into IndexCheckpoint.scopes
+    worker: str | None = None  # the engine worker its locations belong to (PublisherIdentity.worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ def encode(cp: IndexCheckpoint) -> bytes:
         "lo": np.asarray(p.key_lo, "<u8").tobytes(),
         "hi": np.asarray(p.key_hi, "<u8").tobytes(),
         "scope": np.asarray(p.scope, "<u4").tobytes(),
+        "worker": p.worker,
     } for p in cp.publishers]
     return msgpack.packb({"version": CHECKPOINT_VERSION, "scopes": [s.model_dump(mode="json") for s in cp.scopes],
                           "publishers": pubs}, use_bin_type=True)
@@ -78,5 +80,6 @@ def decode(data: bytes) -> IndexCheckpoint:
         key_lo=np.frombuffer(item["lo"], "<u8").astype(np.uint64),
         key_hi=np.frombuffer(item["hi"], "<u8").astype(np.uint64),
         scope=np.frombuffer(item["scope"], "<u4").astype(np.intp),
+        worker=item.get("worker"),  # absent in checkpoints written before the field
     ) for item in doc["publishers"])
     return IndexCheckpoint(scopes, pubs)

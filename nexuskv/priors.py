@@ -44,7 +44,8 @@ from nexuskv.cost import ComputeCost, CostModel, HardwareProfile, LinearCost, Li
 from nexuskv.descriptor import Tier
 from nexuskv.profiles import ModelSpec
 
-__all__ = ["ASSUMED_MFU", "RELATIVE_NOISE", "FlopFit", "PagedLinkFit", "ColdStart"]
+__all__ = ["ASSUMED_MFU", "RELATIVE_NOISE", "FlopFit", "PagedLinkFit", "ColdStart", "assumed_hardware",
+           "with_assumed_hardware", "with_assumed_reads"]
 
 ASSUMED_MFU = 0.5  # as nexuskv.profiles assumes for one GPU
 RELATIVE_NOISE = 0.1  # one timing's relative error, as nexuskv.calibration assumes
@@ -174,6 +175,59 @@ class PagedLinkFit:
                         params=LinearCost((latency, per_page, 0.0), cov3), label=label)
 
 
+def assumed_hardware(profile: str, *, prefill_chunk_tokens: int = 2048, lookup_s: float = 2e-4, sync_s: float = 5e-5,
+                     hbm_bytes_per_s: float = 2e10) -> HardwareProfile:
+    """A hardware profile nobody measured: the constants a plan needs, assumed and labelled so."""
+    return HardwareProfile(
+        name=profile, hbm_bytes_per_s=hbm_bytes_per_s, prefill_chunk_tokens=prefill_chunk_tokens,
+        lookup_s=lookup_s, sync_s=sync_s,
+        label=(f"cold-start prior: prefill chunk {prefill_chunk_tokens} tokens; lookup {lookup_s * 1e6:.0f} us, "
+               f"sync {sync_s * 1e6:.0f} us and memory {hbm_bytes_per_s / 1e9:.0f} GB/s assumed"))
+
+
+def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostModel:
+    """``model`` with an :func:`assumed_hardware` profile for each of ``profiles`` it lacks (``model``
+    itself when it lacks none); ``base`` names them, so decisions say the constants were assumed.
+
+    A fleet planner meets workers whose profile only their own connectors know (a user's machine,
+    ``vllm-cpu``); their compute and link costs arrive from calibration, but the hardware constants
+    never do.
+    """
+    missing = sorted(p for p in profiles if p not in model.hardware)
+    if not missing:
+        return model
+    hardware = dict(model.hardware)
+    hardware.update({p: assumed_hardware(p) for p in missing})
+    return CostModel(base=f"{model.base}+assumed-hardware({','.join(missing)})", hardware=hardware,
+                     compute=model.compute, links=model.links)
+
+
+def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
+    """``model`` with, for each of ``profiles``, a read from host or disk to the GPU assumed to cost
+    what the measured write the other way costs, where only the write was measured.
+
+    A worker's saves are timed from its first step (every block goes to its tier), its loads only
+    once something was loaded; a fleet planner without a read cost never plans the first load. The
+    assumed read is labelled, carries no observations, and calibration's fit replaces it.
+    """
+    links = dict(model.links)
+    added = []
+    for p in sorted(profiles):
+        for tier in (Tier.HOST, Tier.DISK):
+            write = links.get((p, Tier.GPU, tier))
+            if (p, tier, Tier.GPU) in links or write is None or not write.observations:
+                continue
+            links[(p, tier, Tier.GPU)] = LinkCost(
+                p, tier, Tier.GPU, write.params, interference=write.interference,
+                label=f"assumed: the reverse of the measured gpu->{tier.value} link "
+                      f"({write.observations} observations)")
+            added.append(f"{p}:{tier.value}->gpu")
+    if not added:
+        return model
+    return CostModel(base=f"{model.base}+assumed-reads({','.join(added)})", hardware=model.hardware,
+                     compute=model.compute, links=links)
+
+
 class ColdStart:
     """What one worker knows about its own costs before the fleet's calibration covers it.
 
@@ -186,12 +240,8 @@ class ColdStart:
         self.spec = spec
         self.profile = profile
         self.block_bytes = block_bytes
-        self.hardware = HardwareProfile(
-            name=profile, hbm_bytes_per_s=hbm_bytes_per_s, prefill_chunk_tokens=prefill_chunk_tokens,
-            lookup_s=lookup_s, sync_s=sync_s,
-            label=(f"cold-start prior: prefill chunk {prefill_chunk_tokens} tokens (the engine's token budget); "
-                   f"lookup {lookup_s * 1e6:.0f} us, sync {sync_s * 1e6:.0f} us and memory "
-                   f"{hbm_bytes_per_s / 1e9:.0f} GB/s assumed"))
+        self.hardware = assumed_hardware(profile, prefill_chunk_tokens=prefill_chunk_tokens, lookup_s=lookup_s,
+                                         sync_s=sync_s, hbm_bytes_per_s=hbm_bytes_per_s)
         self.compute: FlopFit | None = None
         self.links: dict[tuple[Tier, Tier], PagedLinkFit] = {}
         self._pending: list[tuple[int, int, float]] = []  # prefills seen before the GEMM rate

@@ -63,6 +63,7 @@ class PublisherState:
     in_snapshot: bool = False
     snapshot_clean: bool = False
     locs: dict[tuple[Tier, int], int] = field(default_factory=dict)  # (tier, group) -> location id
+    worker: str | None = None  # the engine worker its locations belong to (None: its own name)
     mask: int = 0  # bits of every location of this publisher
 
     @property

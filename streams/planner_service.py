@@ -85,6 +85,7 @@ from nexuskv.models import KNOWN_MODELS, known_model
 from nexuskv.planner import Plan, PlanQuery, explain, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
+from nexuskv.priors import with_assumed_hardware, with_assumed_reads
 from nexuskv.profiles import shipped_cost_model
 from streams import tuning
 from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
@@ -180,6 +181,51 @@ def effect_records(effects: Iterable[Effect], *, now: float) -> list[Outgoing]:
     return out
 
 
+class DispatchDelays:
+    """How long a transfer command takes to start at its destination, measured (seconds).
+
+    Two measurements: a command's own, ``started_at - issued_at`` from its result (per destination
+    worker: the bus, the executor's queue), and every plan request's trip to this planner
+    (``now - arrival_at``: the same bus, a lower bound for a command's). The estimate for a worker
+    is the larger of its commands' moving mean and the requests'; before its first result, twice
+    the requests' (a trip, then the executor's poll and queue, assumed as long). Without it a deadline is a copy
+    time after the decision, and a command that spends longer on the bus is refused unstarted
+    ("deadline passed before the transfer started").
+    """
+
+    ALPHA = 0.3  # weight of the newest measurement in each moving mean
+    CAPACITY = 4096  # commands awaiting their result
+
+    def __init__(self) -> None:
+        self.bus_s = 0.0
+        self.by_worker: dict[str, float] = {}
+        self._issued: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def request_arrived(self, arrival_at: float, now: float) -> None:
+        delay = now - arrival_at
+        if 0.0 <= delay < 60.0:  # beyond a minute: a replayed or re-delivered request, not the bus
+            self.bus_s += self.ALPHA * (delay - self.bus_s)
+
+    def issued(self, transfer_id: str, worker: str, issued_at: float) -> None:
+        self._issued[transfer_id] = (worker, issued_at)
+        while len(self._issued) > self.CAPACITY:
+            self._issued.popitem(last=False)
+
+    def started(self, transfer_id: str, started_at: float) -> None:
+        entry = self._issued.pop(transfer_id, None)
+        if entry is None:
+            return
+        worker, issued_at = entry
+        delay = max(0.0, started_at - issued_at)
+        was = self.by_worker.get(worker)
+        self.by_worker[worker] = delay if was is None else was + self.ALPHA * (delay - was)
+
+    def estimates(self, workers: Iterable[str]) -> dict[str, float]:
+        # Before a worker's first command result: a trip over the bus and as long again for the
+        # executor's poll and queue (assumed); after it, what its commands took, never below a trip.
+        return {w: max(self.by_worker[w], self.bus_s) if w in self.by_worker else 2.0 * self.bus_s for w in workers}
+
+
 class PlannerCore:
     """Everything between bytes in and records out, without I/O; the clock is passed in."""
 
@@ -197,6 +243,8 @@ class PlannerCore:
         self._seen_capacity = seen_capacity
         self.planned = 0
         self.duplicates = 0
+        self._filled: dict[tuple[int, frozenset[str]], tuple[CostModel, CostModel]] = {}
+        self.dispatch = DispatchDelays()
 
     def query_of(self, request: PlanRequest) -> PlanQuery:
         """The planner's query; raises ContractError when the request cannot be planned."""
@@ -223,11 +271,28 @@ class PlannerCore:
                                  "nexuskv.index_lag_events": lookup.lag_events,
                                  "nexuskv.index_lag_ms": lookup.lag_ms})
         policy = self.policy()
-        p = plan(query, lookup, self.model(), policy, now=now,
+        self.dispatch.request_arrived(request.arrival_at, now)
+        p = plan(query, lookup, self._model_for(query), policy, now=now,
                  headroom=self.scheduler.headroom(query.scope.tenant_namespace),
-                 pollution_s_per_gib=self.prices() if self.prices is not None else None)
+                 pollution_s_per_gib=self.prices() if self.prices is not None else None,
+                 dispatch_s=self.dispatch.estimates(c.worker for c in query.candidates))
         self.scheduler.track(p, now=now)
+        for t in p.transfers:
+            self.dispatch.issued(t.transfer_id, t.destination.worker, t.issued_at)
         return p
+
+    def _model_for(self, query: PlanQuery) -> CostModel:
+        """The cost model with assumed constants for hardware profiles only the workers know, and
+        reads assumed from measured writes (:func:`nexuskv.priors.with_assumed_reads`)."""
+        model = self.model()
+        profiles = frozenset(c.profile for c in query.candidates if c.profile)
+        key = (id(model), profiles)
+        hit = self._filled.get(key)
+        if hit is None or hit[0] is not model:
+            if len(self._filled) > 64:
+                self._filled.clear()
+            hit = self._filled[key] = (model, with_assumed_reads(with_assumed_hardware(model, profiles), profiles))
+        return hit[1]
 
     def on_request(self, raw: bytes, *, now: float) -> list[Outgoing]:
         """Records for one plan request ([] for a duplicate); raises NexusKVError for bad input."""
@@ -246,6 +311,7 @@ class PlannerCore:
 
     def on_result(self, raw: bytes, *, now: float) -> list[Outgoing]:
         result = cast(TransferResult, codec.decode(TRANSFER_RESULTS, raw))
+        self.dispatch.started(result.transfer_id, result.started_at)
         return effect_records(self.scheduler.complete(result, now=now), now=now)
 
     def on_tick(self, *, now: float) -> list[Outgoing]:

@@ -89,7 +89,11 @@ class Readable:
         return location.tier in self.shared or self.is_own(location)
 
     def is_own(self, location: EntryLocation) -> bool:
-        return location.tier in self.own and location.worker == tier_publisher_name(self.worker, location.tier)
+        """The worker's own tier: its tier publisher's locations carry the worker's name (the
+        publisher's identity says whose they are), or the publisher's own name in an index fed
+        before that field existed."""
+        return location.tier in self.own and location.worker in (self.worker,
+                                                                  tier_publisher_name(self.worker, location.tier))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +212,7 @@ class SchedulerSide:
             return 0, False
         query = PlanQuery(request_id=request_id, scope=self.scope, descriptor=self.descriptor, keys=tuple(keys),
                           prompt_tokens=len(token_ids), arrival_at=now,
-                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile),))
+                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile, loads_own_tiers=True),))
         view = self._readable_view(found, local)
         for _attempt in range(2):
             p = st.plan = plan(query, view, self.cost_model(), execution, now=now)
@@ -253,9 +257,9 @@ class SchedulerSide:
         tier = self.save_tier
         if tier is None:
             return 0
-        mine = tier_publisher_name(self.worker, tier)
+        mine = (self.worker, tier_publisher_name(self.worker, tier))
         said = max((m.prefix_blocks for m in found.matches
-                    if m.certain and m.location.tier is tier and m.location.worker == mine), default=0)
+                    if m.certain and m.location.tier is tier and m.location.worker in mine), default=0)
         if not said:
             return 0
         did = self.descriptor.descriptor_id

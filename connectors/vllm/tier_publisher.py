@@ -95,7 +95,7 @@ class TierPublisher:
         self.held = held
         self.clock = clock
         self._clock_ns = clock_ns
-        self._identity = publisher_identity(descriptor)
+        self._identity = publisher_identity(descriptor, worker=worker)  # its locations are the worker's
         self._group = descriptor.layer_groups[0].kv_group
         self._block_size = descriptor.block_size
         self._manifest = state_dir / f"{tier.value}.manifest.jsonl"

@@ -34,8 +34,10 @@ announced again; one the manager believed held but the tier lost is forgotten, t
 **Measurements.** At registration: the device's GEMM rate, and a read probe of the save tier
 (the cold-start cost model's anchors). Each step: its duration from ``bind`` to ``wait_for_save``
 (less synchronous load time; on CUDA the step is synchronised first, only when it carries a
-prefill to time), recorded as a prefill timing when the step computed one prefill and nothing
-else; every load and save as a copy timing. They go to the scheduler side in the next
+prefill to time), recorded as a prefill timing when the step computed one prefill and at most one
+decoding request per ``DECODE_SHARE`` (8) of its tokens — a decode token rides in the same matrix
+products as the prefill's rows, so a few of them are within the timing's noise, and a busy engine
+almost never runs a step with no decode at all; every load and save as a copy timing. They go to the scheduler side in the next
 :class:`~connectors.vllm.meta.WorkerReport` and, through ``observe``, to ``nexuskv.observations``
 (prefill and transfer observations) for the calibration agent.
 
@@ -146,6 +148,9 @@ class _Outcome:
     reason: str | None = None
     source: Tier | None = None
     seconds: float = 0.0
+
+
+DECODE_SHARE = 8  # prefill tokens per decoding request a timed step may carry (see the module docstring)
 
 
 class PublisherSink:
@@ -346,7 +351,7 @@ class WorkerSide:
 
     def bind(self, meta: ConnectorMeta) -> None:
         """A step begins (vLLM bound its metadata before the forward pass)."""
-        if meta.prefills and len(meta.prefills) == 1 and not meta.decodes:
+        if len(meta.prefills) == 1 and meta.decodes * DECODE_SHARE <= meta.prefills[0].uncached:
             self._sync()
             self._step_started = self.clock()
         else:

@@ -63,6 +63,12 @@ class PublisherIdentity(Contract):
     tokenizer_revision: Text
     descriptor_id: Text
     engine_family: Text = "vllm"
+    #: The engine worker whose tier this publisher announces (a tier publisher ``<worker>/disk``
+    #: serves worker ``<worker>``): its locations are that worker's, so the planner prices a load
+    #: from them as the worker's own tier, not another machine's. None: the publisher's own name.
+    #: It must be a path prefix of the publisher's name (checked on the batch), so a publisher
+    #: (signed under its own name) can only speak for the worker its name is under.
+    worker: Text | None = None
 
 
 class BlockStored(Contract):
@@ -122,6 +128,13 @@ class KvEventBatch(Contract):
     ts: float  # engine timestamp, seconds since the epoch
     identity: PublisherIdentity
     events: tuple[KvEvent, ...] = Field(max_length=MAX_EVENTS_PER_BATCH)
+
+    @model_validator(mode="after")
+    def _worker_under_name(self) -> KvEventBatch:
+        worker = self.identity.worker
+        if worker is not None and not self.publisher.startswith(worker + "/"):
+            raise ValueError(f"identity.worker: {worker!r} is not a path prefix of publisher {self.publisher!r}")
+        return self
 
     @property
     def block_operations(self) -> int:

@@ -38,6 +38,10 @@ class WorkerLoad(Contract):
     decode_blocks: Count = 0  # KV blocks of in-flight decoding requests
     active_requests: Count = 0
     profile: Text | None = None  # hardware profile name, when workers differ
+    #: The engine loads its own host and disk tiers itself when it schedules the request (vLLM
+    #: with NexusKV's KV connector): a move from them is no transfer command and cannot hide
+    #: behind the queue (the load starts when the request leaves it).
+    loads_own_tiers: bool = False
 
 
 class PlanRequest(Contract):

@@ -118,11 +118,15 @@ def _resolve_links(model: CostModel, profile: str, default_profile: str) -> Link
 
 
 def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: ExecutionPolicy, *, now: float,
-         headroom: Headroom | None = None, pollution_s_per_gib: Mapping[str, float] | None = None) -> Plan:
+         headroom: Headroom | None = None, pollution_s_per_gib: Mapping[str, float] | None = None,
+         dispatch_s: Mapping[str, float] | None = None) -> Plan:
     """Decide for ``query`` at time ``now`` (seconds since the epoch). Pure; see :mod:`nexuskv.planner`.
 
     ``pollution_s_per_gib`` maps a worker to the price of displacing its resident GPU state
     (:func:`nexuskv.admission.displacement_price`); the policy's default applies elsewhere.
+    ``dispatch_s`` maps a destination worker to the time a transfer command takes to start there
+    (its trip over the bus and the executor's queue, as measured): a commanded copy's transfer
+    time and deadline include it (0 where not given).
     """
     d = query.descriptor
     shape = shape_of(d)
@@ -144,14 +148,16 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
                                   rejected=f"no cost profile for {d.model} on {profile}: cannot be estimated"))
             continue
         workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes))
-    if not workers:
-        return Plan(query, tuple(options), options[0], None, 0.0, now, lookup.lag_events, lookup.lag_ms,
+    if not workers:  # nothing can be priced: recompute where the least work waits (a load balancer's choice)
+        least = min(query.candidates, key=lambda c: (c.queued_prefill_tokens, c.queued_prefill_requests, c.worker))
+        chosen = next(o for o in options if o.worker == least.worker)
+        return Plan(query, tuple(options), chosen, None, 0.0, now, lookup.lag_events, lookup.lag_ms,
                     policy.tag, model.version, settings.max_alternatives, min_gain)
 
     base = Baseline.of(min(workers, key=lambda w: (w.recompute_s, w.load.worker)), n, nn)
     sources, unusable = usable_sources(d, num_blocks, shape, lookup, policy)
     req = Request(n, nn, shape, settings.confidence_z, settings.prefetch, settings.p_consume, settings.route_to_state,
-                  settings.pollution_s_per_gib, pollution_s_per_gib or {}, now, query.slo_deadline)
+                  settings.pollution_s_per_gib, pollution_s_per_gib or {}, now, query.slo_deadline, dispatch_s or {})
     max_lag = policy.budgets.max_index_lag_ms
     lagging = lookup.lag_ms > max_lag
     target_ok = _GPU in policy.target_tiers

@@ -79,6 +79,7 @@ class Request(NamedTuple):
     prices: Mapping[str, float]  # per worker displacement price, seconds per GiB
     now: float
     slo_deadline: float | None
+    dispatch: Mapping[str, float]  # per destination worker: seconds before a commanded copy can start
 
 
 class Candidate(NamedTuple):
@@ -245,7 +246,7 @@ class MoveOverLink:
                    else f"policy: no enabled backend for {link_tier.value}->gpu")
             return Option(_TRANSFER, wid, src, backend, src.prefix, rejected=why)
         # One unpacking each instead of a dozen attribute reads: this runs for every source and worker.
-        n, _, shape, z, prefetch, _, _, _, _, now, slo = req
+        n, _, shape, z, prefetch, _, _, _, _, now, slo, dispatch_by_worker = req
         bs, block_bytes, checkpoint_bytes, pages_per_block, _, _, _, layers, restore_fixed, restore_per_token = shape
         prefix = src.prefix
         local_prefix = local.prefix if local is not None else 0
@@ -257,12 +258,17 @@ class MoveOverLink:
         nbytes = count * block_bytes + checkpoint_bytes
         pages = count * pages_per_block
         lp = link.params
-        transfer = lp.predict(1.0, pages, nbytes)
+        # A copy an executor makes starts once its command reached it (the bus, the executor's queue);
+        # an engine loading its own tier starts it itself. The transfer term is delivery plus copy.
+        dispatch = 0.0 if load.loads_own_tiers and src.worker == wid else dispatch_by_worker.get(wid, 0.0)
+        transfer = dispatch + lp.predict(1.0, pages, nbytes)
         var_t = lp.variance(1.0, pages, nbytes)
         e = n - prefix * bs
         e = e if e > 0 else 1
         tail = w.tail_s(e, n, block_bytes)
-        overlap = queue_s + (tail * (layers - 1) / layers if layers > 1 else 0.0)
+        layered = tail * (layers - 1) / layers if layers > 1 else 0.0
+        # An engine that loads its own tiers starts the copy when the request leaves its queue.
+        overlap = layered if load.loads_own_tiers and src.worker == wid else queue_s + layered
         interference = transfer * link.interference
         restore = restore_fixed + restore_per_token * count * bs
         visible = transfer - overlap if transfer > overlap else 0.0

@@ -56,7 +56,8 @@ def _alternative(opt: Option, chosen: Option, t_base: float, bs: int, group: int
 def _reason(p: Plan) -> str:
     chosen, t_base, min_gain = p.chosen, p.t_compute_s, p.min_gain_s
     if p.baseline_worker is None:
-        return f"recompute on {chosen.worker}: {chosen.rejected}; reuse cannot be shown to pay"
+        return (f"recompute on {chosen.worker} (the least loaded candidate): {chosen.rejected}; reuse cannot be "
+                "shown to pay")
     if chosen.action is Action.RECOMPUTE:
         costed = [o for o in p.options if o.action is not Action.RECOMPUTE and o.eg_s is not None]
         if not costed:
@@ -138,6 +139,17 @@ def actions_of(query: PlanQuery, decision: Decision, chosen: Option,
         count = len(keys)
         kind = TransferKind.PREFETCH if chosen.action is Action.PREFETCH else TransferKind.MATERIALIZE
         deadline = decision.deadline_at if decision.deadline_at is not None else now
+        if src.worker == chosen.worker and _loads_own_tiers(query, chosen.worker):
+            # The engine's connector reads its own tier when it schedules the request: no command,
+            # only the pin that keeps the source until then.
+            for g in block_groups(d):
+                hints.append(PlacementHint(hint_id=f"{rid}/h{len(hints)}", request_id=rid, tenant_namespace=tenant,
+                                           prefix_root=root, kind=HintKind.PIN, worker=src.worker, tier=src.tier,
+                                           group=g, first_block=start, blocks=end - start, keys=keys,
+                                           bytes=_group_bytes(d, g, count), descriptor_id=d.descriptor_id,
+                                           expires_at=deadline, issued_at=now,
+                                           reason="the engine loads it from its own tier: keep it until then"))
+            return tuple(hints), ()
         for i, g in enumerate(block_groups(d)):
             tid = f"{rid}/t{i}"
             group_bytes = _group_bytes(d, g, count)
@@ -169,6 +181,10 @@ def _group_bytes(d: StateDescriptor, kv_group: int, blocks: int) -> int:
     if g.granularity.kind is GranularityKind.CHECKPOINT:
         return g.bytes_per_checkpoint
     return blocks * d.block_size * g.bytes_per_token
+
+
+def _loads_own_tiers(query: PlanQuery, worker: str) -> bool:
+    return any(c.worker == worker and c.loads_own_tiers for c in query.candidates)
 
 
 def fallback_decision(original: Decision, reason: str, *, now: float) -> Decision:

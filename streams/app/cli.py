@@ -11,9 +11,12 @@ Commands:
   Kafka) and print its URL until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
 * ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
-* ``nexuskv replay TRACE`` — a Mooncake trace through the whole pipeline (engines, index,
-  calibration, planner, executors, decision sink) into DuckDB, then the report.
-* ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots.
+* ``nexuskv replay TRACE`` — a Mooncake trace through vLLM alone, then through vLLM + NexusKV
+  (connector, bridges, index, calibration, planner, decision sink), same requests and arrivals;
+  both runs into one DuckDB file, then the side-by-side report (``--engine reference``: NexusKV's
+  reference engine, for the attention families vLLM's CPU build cannot run).
+* ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots (default:
+  the live store's snapshot, else the latest replay).
 * ``nexuskv config`` — print the settings table (environment variable, default, meaning).
 * ``nexuskv descriptor CONFIG`` — the State Descriptor of a model from its Hugging Face
   ``config.json`` (what the vLLM connector derives from the same config), for the event bridge's
@@ -86,15 +89,36 @@ def _parser() -> argparse.ArgumentParser:
     schemas.add_argument("--out", type=Path, default=Path("infra/schemas"))
     schemas.set_defaults(func=_cmd_schemas)
 
-    replay = sub.add_parser("replay", help="replay a Mooncake trace through the whole pipeline, then report")
+    replay = sub.add_parser("replay", help="a trace through vLLM alone and vLLM + NexusKV, side by side, then report")
     replay.add_argument("trace", type=Path, help="a Mooncake JSONL trace (benchmarks/data has slices)")
-    replay.add_argument("--requests", type=int, default=200, help="requests from the start of the trace")
-    replay.add_argument("--workers", type=int, default=4, help="simulated engines (reference engines)")
-    replay.add_argument("--time-scale", type=float, default=10.0, help="trace time divided by this")
-    replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
-    replay.add_argument("--gpu-pages", type=int, default=160, help="each engine's KV page pool, in blocks")
+    replay.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="cap on the requests replayed (default 48 for vLLM, 200 for the reference engine)")
     replay.add_argument("--conversations", type=int, default=0, metavar="N",
-                        help="replay only the first N multi-turn conversations, every turn: a short replay with reuse")
+                        help="only the first N multi-turn conversations, every turn")
+    replay.add_argument("--in-order", action="store_true",
+                        help="the trace's first requests as they come, instead of its multi-turn conversations")
+    replay.add_argument("--workers", type=int, default=None, help="engines (default 2 vLLM, 4 reference)")
+    replay.add_argument("--time-scale", type=float, default=None,
+                        help="trace time divided by this (default 6 for vLLM, 10 for the reference engine)")
+    replay.add_argument("--warmup", type=int, default=12, help="first requests served but not counted (calibration)")
+    replay.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        help="a Hugging Face model folder for vLLM to serve (default: a random Llama built locally)")
+    replay.add_argument("--model-size", default="replay", choices=["replay", "tiny"],
+                        help="the random model's shape when --model is not given")
+    replay.add_argument("--dtype", default=None,
+                        help="vLLM's --dtype (default: float32 for the random models, auto for --model)")
+    replay.add_argument("--engine-blocks", type=int, default=160,
+                        help="each vLLM engine's own KV cache, in blocks of 32 tokens")
+    replay.add_argument("--hash-block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    replay.add_argument("--max-prompt-tokens", type=int, default=2048)
+    replay.add_argument("--max-output-tokens", type=int, default=8)
+    replay.add_argument("--runs", default="baseline,nexuskv", help="which runs, comma separated")
+    replay.add_argument("--engine", default="vllm", choices=["vllm", "reference"],
+                        help="vllm (default), or NexusKV's reference engine for what vLLM's CPU build cannot "
+                             "run: --reference-variant mla|hybrid (one run, no baseline)")
+    replay.add_argument("--reference-variant", default="gqa", choices=["gqa", "mla", "hybrid"])
+    replay.add_argument("--gpu-pages", type=int, default=160, help="reference engine: KV page pool, in blocks")
+    replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(func=_cmd_replay)
 
@@ -173,8 +197,8 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from streams.broker import open_bus
     from streams.app.services import start_services
+    from streams.broker import open_bus
     from streams.remote_tier import local_address
     from streams.topics import ensure_topics
 
@@ -216,27 +240,50 @@ def _cmd_schemas(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
-    from streams.app.replay import REPLAY_SERVICES, ReplayConfig, default_replay_dir, run_replay
     from analytics.report import report
-    from streams.broker import open_bus
-    from streams.app.services import SERVICES, start_services
-    from streams.remote_tier import local_address
-    from streams.topics import ensure_topics
+    from streams.app.replay import ReplayConfig, WorkloadShape, default_replay_dir, run_replay
 
     if not args.trace.is_file():
         raise ConfigError("trace", f"no trace file at {args.trace}")
     out = args.out or default_replay_dir(settings)
     out.mkdir(parents=True, exist_ok=True)
+    if args.engine == "reference":
+        return _replay_reference(args, settings, out)
+    shape = WorkloadShape(max_requests=args.requests or 48, conversations=args.conversations,
+                          follow_ups=not args.in_order, hash_block_tokens=args.hash_block_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                          time_scale=args.time_scale or 6.0, warmup=args.warmup)
+    config = ReplayConfig(trace=args.trace, out=out, shape=shape, workers=args.workers or 2, model_dir=args.model,
+                          model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype,
+                          runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
+    outcome = run_replay(config, settings, progress=not args.no_progress)
+    tables, plots = report(config.db, out / "report")
+    print(tables)
+    for path in plots:
+        print(f"wrote {path}")
+    print(f"decision store: {config.db} (replay {outcome.replay_id}, {outcome.wall_s:.0f} s)")
+    return 0
+
+
+def _replay_reference(args: argparse.Namespace, settings: Settings, out: Path) -> int:
+    from analytics.report import report
+    from streams.app.replay_reference import REPLAY_SERVICES, ReplayConfig, run_replay
+    from streams.app.services import SERVICES, start_services
+    from streams.broker import open_bus
+    from streams.remote_tier import local_address
+    from streams.topics import ensure_topics
+
     local = settings.model_copy(update={"data_dir": out})
-    config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests,
-                          workers=args.workers, time_scale=args.time_scale, conversations=args.conversations,
-                          gpu_pages=args.gpu_pages)
+    config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests or 200,
+                          workers=args.workers or 4, time_scale=args.time_scale or 10.0,
+                          conversations=args.conversations,
+                          gpu_pages=args.gpu_pages, variant=args.reference_variant)
     remote = local_address()
     services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
-        print(f"nexuskv: replaying {args.trace.name} ({args.requests} requests, {args.workers} engines) on {url}",
-              flush=True)
+        print(f"nexuskv: replaying {args.trace.name} ({config.requests} requests, {config.workers} "
+              f"{args.reference_variant} reference engines) on {url}", flush=True)
         env = {"NEXUSKV_REMOTE_TIER": remote, "NEXUSKV_DATA_DIR": str(out)}
         with start_services(url, local, services=services, env=env):
             result = asyncio.run(run_replay(config, url, remote, progress=not args.no_progress))
@@ -251,15 +298,23 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _latest_replay_db(settings: Settings) -> Path | None:
+    root = Path(settings.data_dir) / "replays"
+    found = sorted(root.glob("*/decisions.duckdb"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    return found[-1] if found else None
+
+
 def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     from analytics.report import report
 
     db = args.db
-    if db is None:
+    if db is None:  # the live store's snapshot when a deployment writes one, else the latest replay
         live = settings.decision_db or Path(settings.data_dir) / "decisions.duckdb"
         db = live.with_name(live.stem + "-snapshot.duckdb")
+        if not db.is_file():
+            db = _latest_replay_db(settings) or db
     if not db.is_file():
-        raise ConfigError("db", f"no decision store at {db}")
+        raise ConfigError("db", f"no decision store at {db} and no replay under {Path(settings.data_dir) / 'replays'}")
     out = args.out or db.parent / f"{db.stem}-report"
     tables, plots = report(db, out)
     print(tables)

@@ -46,7 +46,7 @@ def _publisher(tmp_path, index: GlobalIndex, tier: _Tier, *, clock_ns=None, publ
 def _on_disk(index: GlobalIndex, tokens=TOKENS) -> int:
     found = index.lookup(SCOPE, BlockKeyer(SCOPE, 4).keys(tokens))
     return max((m.prefix_blocks for m in found.matches if m.certain and m.location.tier is Tier.DISK
-                and m.location.worker == "vllm/pod/dp0/disk"), default=0)
+                and m.location.worker == "vllm/pod/dp0" and m.publisher == "vllm/pod/dp0/disk"), default=0)
 
 
 def test_announced_blocks_are_keyed_like_the_engines_and_survive_its_clears(tmp_path):

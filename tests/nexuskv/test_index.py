@@ -265,3 +265,29 @@ def test_a_presized_index_answers_the_same(backend):
         # ... and the sizing survives the first stores: the shrink rule keeps the presized floor
         sized = GlobalIndex(secret=SECRET, backend=backend, expected_blocks=100_000).stats().core_nbytes
         assert big.stats().core_nbytes >= sized
+
+
+def test_a_tier_publishers_locations_are_its_workers_and_survive_a_checkpoint(backend):
+    """A tier publisher (``w1/disk``) whose identity names worker ``w1``: its blocks are at w1's disk
+    (what the planner prices as w1's own tier), still under its own publisher name and sequence."""
+    index = GlobalIndex(secret=SECRET, backend=backend)
+    tier_ident = IDENT.model_copy(update={"worker": "w1"})
+    tiered = KvEventBatch(publisher="w1/disk", incarnation=1, seq=0, ts=0.0, identity=tier_ident,
+                          events=(stored([1, 2, 3], TOKENS[:12], tier=Tier.DISK),))
+    index.apply(tiered)
+    index.apply(batch(0, stored([1], TOKENS[:4])))  # the engine's own GPU block
+    m = one(index, publisher="w1/disk", tier=Tier.DISK)
+    assert (m.location.worker, m.location.tier, m.prefix_blocks) == ("w1", Tier.DISK, 3)
+    restored = GlobalIndex(secret=SECRET, backend=backend)
+    restored.restore(index.checkpoint(index.publishers()))
+    assert one(restored, publisher="w1/disk", tier=Tier.DISK) == m
+    assert one(restored, tier=Tier.GPU).location.worker == "w1"
+
+
+def test_a_publisher_cannot_speak_for_a_worker_its_name_is_not_under(backend):
+    with pytest.raises(ValueError, match="identity.worker"):
+        KvEventBatch(publisher="w2/disk", incarnation=1, seq=0, ts=0.0,
+                     identity=IDENT.model_copy(update={"worker": "w1"}), events=())
+    with pytest.raises(ValueError, match="identity.worker"):  # a name prefix is not a path prefix
+        KvEventBatch(publisher="w10/disk", incarnation=1, seq=0, ts=0.0,
+                     identity=IDENT.model_copy(update={"worker": "w1"}), events=())

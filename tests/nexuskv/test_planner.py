@@ -285,6 +285,43 @@ def test_a_copy_hidden_behind_the_queue_is_a_prefetch_with_a_deadline():
     assert no_prefetch.decision.action is Action.TRANSFER
 
 
+def test_an_engine_that_loads_its_own_tiers_gets_no_command_and_no_prefetch():
+    """vLLM's connector reads the worker's own disk when it schedules the request: the copy starts after
+    the queue (no overlap, so no prefetch), and there is nothing for an executor to do (only a pin)."""
+    q = query(LLAMA8, 8192, [_w("w-a", queued_prefill_tokens=50_000, loads_own_tiers=True)])
+    nb = len(q.keys)
+    p = plan(q, lookup(nb, match("w-a", "host", nb)), MODEL, POLICY, now=NOW)
+    dec = p.decision
+    assert dec.action is Action.TRANSFER and dec.source.tier is Tier.HOST, dec.reason
+    assert dec.terms.overlap_s == 0.0 and p.transfers == ()
+    assert [h.kind for h in p.hints] == [HintKind.ROUTE, HintKind.PIN]
+    _round_trip(p)
+    # Another worker's copy still goes through a command.
+    q2 = query(LLAMA8, 8192, [_w("w-a", loads_own_tiers=True), _w("w-b", queued_prefill_tokens=90_000)])
+    far = plan(q2, lookup(nb, match("w-b", "host", nb)), MODEL, POLICY, now=NOW)
+    assert far.decision.action is Action.TRANSFER and far.decision.worker == "w-a", far.decision.reason
+    assert [t.source.worker for t in far.transfers] == ["w-b"]
+
+
+def test_a_commanded_copy_waits_for_its_command_to_arrive():
+    """A measured dispatch delay (the command's trip to the executor) is part of the transfer and of its
+    deadline; a copy that no longer hides behind the queue once delivery is counted is no prefetch."""
+    q = query(LLAMA8, 8192, [_w("w-a", queued_prefill_tokens=50_000)])
+    nb = len(q.keys)
+    fast = plan(q, lookup(nb, match("w-a", "host", nb)), MODEL, POLICY, now=NOW)
+    assert fast.decision.action is Action.PREFETCH
+    copy_s = fast.decision.terms.transfer_s
+    slow = plan(q, lookup(nb, match("w-a", "host", nb)), MODEL, POLICY, now=NOW,
+                dispatch_s={"w-a": fast.decision.terms.queue_s})
+    assert slow.decision.action is not Action.PREFETCH
+    moved = _alt(slow.decision, Action.TRANSFER, "w-a")[0]
+    assert moved.terms.transfer_s == pytest.approx(copy_s + fast.decision.terms.queue_s)
+    # Its own tier, loaded by the engine itself: nothing to dispatch.
+    own = query(LLAMA8, 8192, [_w("w-a", queued_prefill_tokens=50_000, loads_own_tiers=True)])
+    mine = plan(own, lookup(nb, match("w-a", "host", nb)), MODEL, POLICY, now=NOW, dispatch_s={"w-a": 5.0})
+    assert mine.decision.terms.transfer_s == pytest.approx(copy_s)
+
+
 def test_prefetch_value_charges_pollution():
     q = query(LLAMA8, 8192, [_w("w-a", queued_prefill_tokens=50_000)])
     nb = len(q.keys)

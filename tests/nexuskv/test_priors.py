@@ -15,14 +15,14 @@ import pytest
 
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.plans import WorkerLoad
-from nexuskv.cost import ComputeCost, LinearCost
+from nexuskv.cost import ComputeCost, CostModel, LinearCost, LinkCost
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.identity import IdentityScope, block_keys
 from nexuskv.lookup import LocationMatch, LookupResult
 from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
-from nexuskv.priors import ColdStart, FlopFit, PagedLinkFit
+from nexuskv.priors import ColdStart, FlopFit, PagedLinkFit, with_assumed_reads
 from nexuskv.profiles import ModelSpec, shipped_cost_model
 from tests.factories import descriptor
 
@@ -111,3 +111,18 @@ def test_what_the_cost_model_has_is_never_overridden():
                                                   params=LinearCost((0.0, 1e-5, 0.0)), observations=30, version=1))
     assert cold.apply(calibrated) is calibrated  # nothing left to fill: the same snapshot, no label
     assert cold.apply(shipped) is cold.apply(shipped)  # memoised until something changes
+
+
+def test_a_read_is_assumed_from_the_measured_write_until_it_is_measured():
+    write = LinkCost("cpu", Tier.GPU, Tier.DISK, LinearCost((1e-3, 2e-4, 1e-9)), label="fit", observations=6, version=3)
+    model = CostModel.build("b", [], [], [write])
+    filled = with_assumed_reads(model, frozenset({"cpu", "other"}))
+    read = filled.link("cpu", Tier.DISK, Tier.GPU)
+    assert read.params == write.params and read.observations == 0 and "assumed" in read.label
+    assert filled.base == "b+assumed-reads(cpu:disk->gpu)" and filled.link("cpu", Tier.HOST, Tier.GPU) is None
+    measured = LinkCost("cpu", Tier.DISK, Tier.GPU, LinearCost((5e-4, 1e-4, 1e-9)), label="fit", observations=2)
+    both = CostModel.build("b", [], [], [write, measured])
+    assert with_assumed_reads(both, frozenset({"cpu"})) is both  # a measured read is kept
+    unmeasured = CostModel.build("b", [], [], [LinkCost("cpu", Tier.GPU, Tier.DISK, LinearCost((1.0, 0, 0)),
+                                                        label="prior")])
+    assert with_assumed_reads(unmeasured, frozenset({"cpu"})).link("cpu", Tier.DISK, Tier.GPU) is None

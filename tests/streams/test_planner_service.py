@@ -29,7 +29,7 @@ from nexuskv.prefetch import PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
 from streams.broker import TansuBroker
 from streams.bus import make_consumer, make_producer
-from streams.planner_service import KnownDescriptors, PlannerService, plan_records
+from streams.planner_service import DispatchDelays, KnownDescriptors, PlannerService, plan_records
 from streams.topics import ensure_topics
 
 from tests.factories import descriptor as tiny_descriptor
@@ -201,3 +201,19 @@ async def test_plan_requests_through_the_embedded_broker_match_the_pure_planner(
     (cancel,) = [h for h in got.hints.values() if h.kind is HintKind.CANCEL]
     assert cancel.request_id == "r-pre" and cancel.worker == "w-b" and cancel.tier is Tier.GPU
     assert not service.core.scheduler.open_tickets()
+
+
+def test_dispatch_delays_are_measured_per_destination_and_never_below_the_bus():
+    d = DispatchDelays()
+    assert d.estimates(["w1"]) == {"w1": 0.0}
+    d.request_arrived(arrival_at=100.0, now=100.02)  # a plan request's trip: 20 ms
+    d.request_arrived(arrival_at=0.0, now=100.0)  # a replayed request, not the bus: ignored
+    d.issued("t1", "w1", issued_at=100.0)
+    d.started("t1", started_at=100.5)  # the command started 0.5 s after it was issued
+    d.started("t1", started_at=200.0)  # a duplicate result changes nothing
+    d.started("unknown", started_at=100.0)
+    est = d.estimates(["w1", "w2"])
+    assert est["w1"] == pytest.approx(0.5) and est["w2"] == pytest.approx(2 * 0.3 * 0.02)  # no result yet: 2 trips
+    d.issued("t2", "w1", issued_at=101.0)
+    d.started("t2", started_at=101.1)
+    assert d.estimates(["w1"])["w1"] == pytest.approx(0.5 + 0.3 * (0.1 - 0.5))

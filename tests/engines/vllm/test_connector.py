@@ -81,7 +81,7 @@ def _on_disk(index, descriptor, worker: str, keys: list[int]) -> int:
     """Blocks from 0 the index says ``worker``'s disk tier holds, certainly."""
     found = index.lookup(IdentityScope.of(descriptor), keys)
     return max((m.prefix_blocks for m in found.matches if m.certain and m.location.tier is Tier.DISK
-                and m.location.worker == tier_publisher_name(worker, Tier.DISK)), default=0)
+                and m.location.worker == worker and m.publisher == tier_publisher_name(worker, Tier.DISK)), default=0)
 
 
 def _last_decision(url, tenant: str, prompt_tokens: int) -> str:

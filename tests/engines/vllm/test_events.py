@@ -138,7 +138,7 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
             for p, prompt in enumerate(issued):
                 found = index.lookup(scope, keyer.keys(prompt))
                 for m in found.matches:
-                    if m.location.worker == where and m.location.tier is tier and m.certain:
+                    if m.publisher == where and m.location.tier is tier and m.certain:
                         out.update((p, i) for i in range(m.prefix_blocks))
                         out.update((p, i) for e in m.extents for i in range(e.start, e.end))
             return out

@@ -1,4 +1,8 @@
-"""``nexuskv replay TRACE``: a Mooncake trace through the whole pipeline, into a decision store.
+"""``nexuskv replay TRACE --engine reference``: a Mooncake trace on NexusKV's reference engine.
+
+The engine for the attention families vLLM's CPU build cannot run (``--reference-variant mla`` or
+``hybrid``, recurrent checkpoints); one run, no baseline (the vLLM replay, :mod:`streams.app.replay`,
+is the measurement of what NexusKV is for).
 
 What runs (all on one bus — the embedded broker unless ``NEXUSKV_BROKER`` names one):
 
@@ -82,6 +86,7 @@ class ReplayConfig:
     decision_timeout_s: float = 60.0  # the first plan waits for the services to join their groups
     tenant: str = "default"
     conversations: int = 0  # > 0: only the first N multi-turn conversations (every turn), in time order
+    variant: str = "gqa"  # the reference engine's attention: gqa, mla or hybrid (recurrent checkpoints)
 
 
 @dataclass(slots=True)
@@ -198,6 +203,14 @@ def select_requests(trace: list[TraceRequest], limit: int, conversations: int = 
     return [r for r in trace if len(r.hash_ids) > 1 and r.hash_ids[1] in keep][:limit]
 
 
+def _spec(config: ReplayConfig) -> ReferenceModelSpec:
+    if config.variant == "mla":
+        return ReferenceModelSpec.mla(block_size=config.block_size)
+    if config.variant == "hybrid":
+        return ReferenceModelSpec.hybrid(block_size=config.block_size, checkpoint_interval=4 * config.block_size)
+    return ReferenceModelSpec.gqa(block_size=config.block_size)
+
+
 def _tokens(request: TraceRequest, per_hash: int, vocab: int, limit: int) -> list[int]:
     """Deterministic tokens: each hash id's tokens come from a generator seeded with the id."""
     out: list[int] = []
@@ -209,7 +222,7 @@ def _tokens(request: TraceRequest, per_hash: int, vocab: int, limit: int) -> lis
 
 async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progress: bool = True) -> ReplayResult:
     """Replay ``config.requests`` requests of the trace; the services must already be running."""
-    spec = ReferenceModelSpec.gqa(block_size=config.block_size)
+    spec = _spec(config)
     requests = select_requests(load_trace(config.trace), config.requests, config.conversations)
     prefix = f"replay-{uuid.uuid4().hex[:8]}"
     producer = make_producer(url, client_id=prefix)

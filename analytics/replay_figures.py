@@ -1,0 +1,160 @@
+"""The figures of one ``nexuskv replay``: both runs side by side, measured, from the decision store.
+
+Every figure is computed over the *measured* requests (the warm-up is reported apart). Per run:
+TTFT mean and percentiles, end-to-end latency, prompt tokens the engines computed. Across runs,
+per request: the observed Effective Gain (baseline TTFT minus NexusKV TTFT of the same request),
+whether the outputs differ (greedy: they must not), and for the NexusKV run the prediction —
+predicted EG beside observed, and the relative error of the predicted TTFT, before and after the
+warm-up. Plus the NexusKV run's routing decisions by action, tokens reused by source tier, and the
+loads the engines' connectors decided: planned vs completed, and tokens loaded per tier
+(``replay_loads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+
+__all__ = ["RunFigures", "ReplayFigures", "replay_figures", "latest_replay_id"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    run: str
+    requests: int
+    errors: int
+    mean_ttft_s: float | None
+    p50_ttft_s: float | None
+    p95_ttft_s: float | None
+    p99_ttft_s: float | None
+    mean_e2e_s: float | None
+    p99_e2e_s: float | None
+    prompt_tokens: int
+    recomputed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayFigures:
+    replay_id: str
+    measured: dict[str, RunFigures]  # by run
+    warmup: dict[str, RunFigures]
+    compared: int  # measured requests present in both runs
+    differing_outputs: int  # over every request present in both runs, warm-up included
+    mean_observed_eg_s: float | None
+    sum_observed_eg_s: float | None
+    sum_predicted_eg_s: float | None
+    median_ttft_rel_error_warmup: float | None
+    median_ttft_rel_error: float | None  # measured requests that were predicted
+    unpredicted: int  # measured requests decided without a cost profile (no prediction to compare)
+    median_routing_s: float | None  # the NexusKV run's routing round trip (included in its TTFT)
+    actions: dict[str, int]
+    reused_tokens_by_tier: dict[str, int]
+    transfers_planned: int  # loads the engines' connectors decided (measured requests)
+    transfers_completed: int
+    transfers_fell_back: int  # recomputed instead: the load failed or came too late
+    tokens_loaded_by_tier: dict[str, int]
+
+    def ratio(self, field_name: str) -> float | None:
+        """NexusKV / baseline of a RunFigures field over the measured requests."""
+        a, b = self.measured.get("nexuskv"), self.measured.get("baseline")
+        if a is None or b is None:
+            return None
+        x, y = getattr(a, field_name), getattr(b, field_name)
+        return x / y if x is not None and y else None
+
+
+def latest_replay_id(con: duckdb.DuckDBPyConnection) -> str | None:
+    rows = con.execute("SELECT replay_id FROM replay_runs ORDER BY started_at DESC LIMIT 1").fetchall()
+    return rows[0][0] if rows else None
+
+
+def _runs(con: duckdb.DuckDBPyConnection, replay_id: str, phase: str) -> dict[str, RunFigures]:
+    rows = con.execute(
+        "SELECT run, requests, errors, mean_ttft_s, p50_ttft_s, p95_ttft_s, p99_ttft_s, mean_e2e_s, p99_e2e_s, "
+        "prompt_tokens, recomputed_tokens FROM replay_summary WHERE replay_id = ? AND phase = ?",
+        [replay_id, phase]).fetchall()
+    return {r[0]: RunFigures(*r[:9], int(r[9] or 0), int(r[10] or 0)) for r in rows}
+
+
+def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None) -> ReplayFigures | None:
+    """The figures of ``replay_id`` (the latest replay when None); None when the store holds none."""
+    replay_id = replay_id or latest_replay_id(con)
+    if replay_id is None:
+        return None
+    one = con.execute(
+        "SELECT count(*) FILTER (WHERE NOT warmup), count(*) FILTER (WHERE NOT outputs_equal), "
+        "avg(observed_eg_s) FILTER (WHERE NOT warmup), sum(observed_eg_s) FILTER (WHERE NOT warmup), "
+        "sum(predicted_eg_s) FILTER (WHERE NOT warmup), "
+        "median(ttft_rel_error) FILTER (WHERE warmup), median(ttft_rel_error) FILTER (WHERE NOT warmup), "
+        "count(*) FILTER (WHERE NOT warmup AND NOT coalesce(predicted, false)), "
+        "median(routing_s) FILTER (WHERE NOT warmup) "
+        "FROM replay_comparison WHERE replay_id = ?", [replay_id]).fetchall()[0]
+    decided = ("SELECT d.* FROM replay_requests r JOIN (SELECT * FROM decisions QUALIFY row_number() OVER "
+               "(PARTITION BY request_id ORDER BY revision DESC) = 1) d ON d.request_id = r.decision_id "
+               "WHERE r.replay_id = ? AND r.run = 'nexuskv' AND NOT r.warmup")
+    actions = dict(con.execute(f"SELECT action, count(*) FROM ({decided}) GROUP BY action ORDER BY action",
+                               [replay_id]).fetchall())
+    tiers = dict(con.execute(f"SELECT coalesce(source_tier, 'none'), sum(reused_tokens) FROM ({decided}) "
+                             "WHERE reused_tokens > 0 GROUP BY ALL ORDER BY 1", [replay_id]).fetchall())
+    loads = con.execute(
+        "SELECT tier, sum(loads_planned), sum(loads_completed), sum(loads_fell_back), sum(tokens_loaded) "
+        "FROM replay_loads WHERE replay_id = ? AND run = 'nexuskv' AND phase = 'measured' GROUP BY tier ORDER BY tier",
+        [replay_id]).fetchall()
+    planned = sum(int(r[1] or 0) for r in loads)
+    completed = sum(int(r[2] or 0) for r in loads)
+    fell_back = sum(int(r[3] or 0) for r in loads)
+    return ReplayFigures(
+        replay_id=replay_id, measured=_runs(con, replay_id, "measured"), warmup=_runs(con, replay_id, "warm-up"),
+        compared=int(one[0] or 0), differing_outputs=int(one[1] or 0), mean_observed_eg_s=one[2],
+        sum_observed_eg_s=one[3], sum_predicted_eg_s=one[4], median_ttft_rel_error_warmup=one[5],
+        median_ttft_rel_error=one[6], unpredicted=int(one[7] or 0), median_routing_s=one[8],
+        actions={k: int(v) for k, v in actions.items()},
+        reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
+        transfers_completed=completed, transfers_fell_back=fell_back,
+        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads})
+
+
+def _s(v: float | None, unit: str = "s") -> str:
+    return "-" if v is None else f"{v:.3f} {unit}".rstrip()
+
+
+def render(fig: ReplayFigures) -> str:
+    """The replay's figures as text: both runs side by side, then the comparison and the prediction."""
+    runs = [r for r in ("baseline", "nexuskv") if r in fig.measured]
+    lines = [f"== replay {fig.replay_id}: measured requests (warm-up excluded) =="]
+    header = f"{'':28}" + "".join(f"{r:>14}" for r in runs) + ("      ratio" if len(runs) == 2 else "")
+    lines.append(header)
+    rows = [("requests", "requests"), ("errors", "errors"), ("TTFT mean (s)", "mean_ttft_s"),
+            ("TTFT p50 (s)", "p50_ttft_s"), ("TTFT p95 (s)", "p95_ttft_s"), ("TTFT p99 (s)", "p99_ttft_s"),
+            ("end-to-end mean (s)", "mean_e2e_s"), ("end-to-end p99 (s)", "p99_e2e_s"),
+            ("prompt tokens", "prompt_tokens"), ("prompt tokens recomputed", "recomputed_tokens")]
+    for label, name in rows:
+        vals = [getattr(fig.measured[r], name) for r in runs]
+        cells = "".join(f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else str(v)):>14}" for v in vals)
+        ratio = fig.ratio(name) if len(runs) == 2 and name not in ("requests", "errors") else None
+        lines.append(f"{label:28}{cells}" + (f"{ratio:>11.3f}" if ratio is not None else ""))
+    if len(runs) == 2:
+        lines.append(f"outputs differing between the runs: {fig.differing_outputs} (of every request in both)")
+        lines.append(f"observed EG (baseline TTFT - NexusKV TTFT, same request): mean {_s(fig.mean_observed_eg_s)}, "
+                     f"sum {_s(fig.sum_observed_eg_s)}; predicted EG sum {_s(fig.sum_predicted_eg_s)}")
+    lines.append("median relative error of the predicted time from decision to first token: warm-up "
+                 + ("-" if fig.median_ttft_rel_error_warmup is None else f"{fig.median_ttft_rel_error_warmup:.1%}")
+                 + ", after warm-up "
+                 + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}")
+                 + (f" ({fig.unpredicted} measured requests decided without a cost profile)" if fig.unpredicted else "")
+                 + ("" if fig.median_routing_s is None else
+                    f"; routing round trip (in NexusKV's TTFT) median {fig.median_routing_s * 1e3:.0f} ms"))
+    if fig.actions:
+        lines.append("NexusKV decisions: " + ", ".join(f"{k} {v}" for k, v in fig.actions.items())
+                     + "; tokens reused by source tier: "
+                     + (", ".join(f"{k} {v}" for k, v in fig.reused_tokens_by_tier.items()) or "none")
+                     + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned"
+                     + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else "")
+                     + "; tokens loaded by tier: "
+                     + (", ".join(f"{k} {v}" for k, v in fig.tokens_loaded_by_tier.items()) or "none"))
+    warm = [r for r in ("baseline", "nexuskv") if r in fig.warmup]
+    if warm:
+        lines.append("warm-up (excluded above): " + "; ".join(
+            f"{r} {fig.warmup[r].requests} requests, mean TTFT {_s(fig.warmup[r].mean_ttft_s)}" for r in warm))
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Where each replayed request goes: a plain load balancer (the baseline), or NexusKV's planner.
+
+Both see the same load: :class:`Loads` counts, per engine, the requests sent and not yet
+answered with a first token (their prompt tokens are prefill still ahead of a new request, which
+is what an engine reports as its queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nexuskv.config import BrokerUrl
+from nexuskv.contracts import codec
+from nexuskv.contracts.decisions import Decision
+from nexuskv.contracts.plans import PlanRequest, WorkerLoad
+from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS
+from nexuskv.descriptor import StateDescriptor
+from nexuskv.errors import NexusKVError
+from nexuskv.identity import BlockKeyer, IdentityScope
+from streams.bus import make_consumer, make_producer, send
+
+__all__ = ["Loads", "LeastOutstanding", "PlannerRouter", "Routed"]
+
+
+@dataclass(slots=True)
+class Loads:
+    """Requests in flight per engine that have not produced their first token (prompt lengths)."""
+
+    waiting: list[dict[str, int]]
+
+    @classmethod
+    def of(cls, engines: int) -> Loads:
+        return cls([{} for _ in range(engines)])
+
+    def sent(self, engine: int, rid: str, tokens: int) -> None:
+        self.waiting[engine][rid] = tokens
+
+    def first_token(self, engine: int, rid: str) -> None:
+        self.waiting[engine].pop(rid, None)
+
+    def worker_load(self, engine: int, worker: str, profile: str | None, *, loads_own_tiers: bool) -> WorkerLoad:
+        ahead = list(self.waiting[engine].values())
+        return WorkerLoad(worker=worker, profile=profile, queued_prefill_tokens=sum(ahead),
+                          queued_prefill_requests=len(ahead),
+                          queued_prefill_token_products=sum(t * t for t in ahead), loads_own_tiers=loads_own_tiers)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    engine: int
+    decision: Decision | None = None  # the planner's, when NexusKV routed
+    routing_s: float = 0.0
+
+
+@dataclass(slots=True)
+class LeastOutstanding:
+    """The engine with the fewest requests waiting for their first token; ties go round robin."""
+
+    engines: int
+    _next: int = 0
+
+    async def route(self, rid: str, tokens: Sequence[int], loads: Loads, arrival_at: float) -> Routed:
+        counts = [len(w) for w in loads.waiting]
+        fewest = min(counts)
+        for k in range(self.engines):
+            i = (self._next + k) % self.engines
+            if counts[i] == fewest:
+                self._next = (i + 1) % self.engines
+                return Routed(i)
+        raise AssertionError("unreachable: some engine has the fewest requests")
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class PlannerRouter:
+    """NexusKV's routing: a plan request per request to the planner service, its decision's worker.
+
+    The request's canonical keys are computed here, at the edge that knows the scope (the same
+    descriptor and tenant the engines' connectors and bridges key their blocks in), so the
+    planner never sees token ids.
+    """
+
+    url: BrokerUrl
+    descriptor: StateDescriptor
+    workers: tuple[str, ...]
+    profile: str | None
+    prefix: str
+    timeout_s: float = 60.0
+    loads_own_tiers: bool = True  # vLLM's NexusKV connector reads the worker's own disk tier itself
+    _decisions: dict[str, Decision] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _producer: object = None
+    _task: asyncio.Task | None = None
+    _keyer: BlockKeyer | None = None
+
+    async def start(self) -> None:
+        self._keyer = BlockKeyer(IdentityScope.of(self.descriptor), self.descriptor.block_size)
+        self._producer = make_producer(self.url, client_id=f"{self.prefix}-router")
+        await self._producer.start()
+        consumer = make_consumer(self.url, DECISIONS, client_id=f"{self.prefix}-decisions", group_id=None,
+                                 auto_offset_reset="latest")
+        await consumer.start()
+        self._task = asyncio.create_task(self._follow(consumer))
+
+    async def _follow(self, consumer) -> None:
+        mine = self.prefix.encode()
+        try:
+            while True:
+                for records in (await consumer.getmany(timeout_ms=100)).values():
+                    for record in records:
+                        if not (record.key or b"").startswith(mine):
+                            continue
+                        d = codec.decode(DECISIONS, record.value)
+                        prior = self._decisions.get(d.request_id)
+                        if prior is None or d.revision >= prior.revision:
+                            self._decisions[d.request_id] = d
+                            self._changed.set()
+        finally:
+            await consumer.stop()
+
+    async def route(self, rid: str, tokens: Sequence[int], loads: Loads, arrival_at: float) -> Routed:
+        started = time.perf_counter()
+        d = self.descriptor
+        keys = self._keyer.keys(list(tokens))  # type: ignore[union-attr]
+        candidates = tuple(loads.worker_load(i, w, self.profile, loads_own_tiers=self.loads_own_tiers)
+                           for i, w in enumerate(self.workers))
+        pid = f"{self.prefix}/{rid}"
+        request = PlanRequest(request_id=pid, scope=IdentityScope.of(d), block_size=d.block_size,
+                              prompt_tokens=len(tokens), keys=tuple(keys), arrival_at=arrival_at,
+                              candidates=candidates, workload="replay", descriptor=d)
+        await send(self._producer, PLAN_REQUESTS, pid, request)
+        deadline = time.monotonic() + self.timeout_s
+        while (decision := self._decisions.get(pid)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NexusKVError(f"replay: no decision for {pid} within {self.timeout_s:.0f}s "
+                                   "(is the planner running?)")
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        engine = self.workers.index(decision.worker) if decision.worker in self.workers else 0
+        return Routed(engine, decision, time.perf_counter() - started)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._producer is not None:
+            await self._producer.stop()

