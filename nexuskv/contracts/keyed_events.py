@@ -196,6 +196,9 @@ class KeyedBatch(msgspec.Struct, tag_field="schema_version", tag=KEYED_SCHEMA_VE
     identity: PublisherIdentity
     events: Annotated[tuple[KeyedEvent, ...], Meta(max_length=MAX_EVENTS_PER_BATCH)]
 
+    def __post_init__(self) -> None:
+        _worker_under_name(self.publisher, self.identity)
+
     @property
     def schema_version(self) -> int:
         return KEYED_SCHEMA_VERSION
@@ -205,6 +208,13 @@ class KeyedBatch(msgspec.Struct, tag_field="schema_version", tag=KEYED_SCHEMA_VE
         """Blocks stored or removed by this batch (the unit of the index's throughput)."""
         blocks = (len(e.engine_hashes) for e in self.events if not isinstance(e, (Cleared, SnapshotMark)))
         return sum(blocks) // HASH_BYTES
+
+
+def _worker_under_name(publisher: str, identity: PublisherIdentity) -> None:
+    """As version 1: a publisher speaks only for the worker its name is under."""
+    worker = identity.worker
+    if worker is not None and not publisher.startswith(worker + "/"):
+        raise ValueError(f"identity.worker: {worker!r} is not a path prefix of publisher {publisher!r}")
 
 
 def pack_hashes(hashes: Any) -> bytes:
@@ -272,6 +282,9 @@ class _Envelope(msgspec.Struct, tag_field="schema_version", tag=KEYED_SCHEMA_VER
     ts: float
     identity: PublisherIdentity
     events: Annotated[list[msgspec.Raw], Meta(max_length=MAX_EVENTS_PER_BATCH)]
+
+    def __post_init__(self) -> None:
+        _worker_under_name(self.publisher, self.identity)
 
 
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope, dec_hook=_dec_hook)

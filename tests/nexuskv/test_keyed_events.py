@@ -162,3 +162,14 @@ def test_a_renamed_kv_events_topic_reads_both_versions():
     renamed = dataclasses.replace(KV_EVENTS, name="test.kv-events.x")
     b = batch()
     assert codec.decode(renamed, codec.encode(renamed, b)) == b
+
+
+def test_a_v2_publisher_speaks_only_for_the_worker_its_name_is_under():
+    ident = IDENT.model_dump(mode="json")
+    ok = codec.decode(KV_EVENTS, raw_map(publisher="vllm/p/dp0/disk", identity={**ident, "worker": "vllm/p/dp0"}))
+    assert ok.identity.worker == "vllm/p/dp0"
+    for publisher in ("vllm/q/dp0/disk", "vllm/p/dp00/disk"):
+        with pytest.raises(ContractError, match="identity.worker"):
+            codec.decode(KV_EVENTS, raw_map(publisher=publisher, identity={**ident, "worker": "vllm/p/dp0"}))
+    with pytest.raises(ValueError, match="identity.worker"):
+        batch(publisher="elsewhere/disk", identity=IDENT.model_copy(update={"worker": "vllm/p/dp0"}))
