@@ -194,6 +194,7 @@ class DispatchDelays:
     """
 
     ALPHA = 0.3  # weight of the newest measurement in each moving mean
+    MAX_TRIP_S = 1.0  # a plan request's delay beyond this is a backlog, not the bus's trip time
     CAPACITY = 4096  # commands awaiting their result
 
     def __init__(self) -> None:
@@ -203,7 +204,7 @@ class DispatchDelays:
 
     def request_arrived(self, arrival_at: float, now: float) -> None:
         delay = now - arrival_at
-        if 0.0 <= delay < 60.0:  # beyond a minute: a replayed or re-delivered request, not the bus
+        if 0.0 <= delay < self.MAX_TRIP_S:  # longer: a backlog (a planner starting, catching up), not a trip
             self.bus_s += self.ALPHA * (delay - self.bus_s)
 
     def issued(self, transfer_id: str, worker: str, issued_at: float) -> None:

@@ -208,6 +208,7 @@ def test_dispatch_delays_are_measured_per_destination_and_never_below_the_bus():
     assert d.estimates(["w1"]) == {"w1": 0.0}
     d.request_arrived(arrival_at=100.0, now=100.02)  # a plan request's trip: 20 ms
     d.request_arrived(arrival_at=0.0, now=100.0)  # a replayed request, not the bus: ignored
+    d.request_arrived(arrival_at=98.0, now=100.0)  # a backlog (the planner was starting): ignored
     d.issued("t1", "w1", issued_at=100.0)
     d.started("t1", started_at=100.5)  # the command started 0.5 s after it was issued
     d.started("t1", started_at=200.0)  # a duplicate result changes nothing

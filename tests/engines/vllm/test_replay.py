@@ -9,7 +9,8 @@ history and the connector loads what the engine's GPU cache lost from the worker
 Asserted on the measurement, not on counts: every request served in both runs, outputs identical
 (greedy), observed EG defined from both runs for every measured request, NexusKV's mean TTFT below
 the baseline's, the loads the connectors decided completed (most of them), and the predicted
-TTFT's error after the warm-up bounded. Two output tokens per request: the first one is computed from
+TTFT's error after the warm-up bounded. The replay runs on its own embedded broker, as the main
+command does. Two output tokens per request: the first one is computed from
 the whole prompt's KV (where a wrong load shows), and fewer tokens leave fewer near-ties to rounding. Two busy-loop processes run beside the replay, so the
 machine is never idle (a deployment never is).
 """
@@ -28,7 +29,7 @@ from nexuskv.config import Settings
 from streams.app.replay.session import ReplayConfig, run_replay
 from streams.app.replay.workload import WorkloadShape
 
-pytestmark = [pytest.mark.vllm, pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.tansu, pytest.mark.slow]
 
 CONVERSATIONS, TURNS = 6, 3
 SYSTEM = 8  # trace blocks of the shared system prompt (32 tokens each)
@@ -68,13 +69,15 @@ def busy_cpu():
             p.join(5)
 
 
-def test_replay_nexuskv_beats_vllm_alone_where_reuse_pays(tmp_path, kafka_url, busy_cpu):
+def test_replay_nexuskv_beats_vllm_alone_where_reuse_pays(tmp_path, busy_cpu):
     trace = _trace(tmp_path / "trace.jsonl")
     shape = WorkloadShape(max_requests=CONVERSATIONS * TURNS, hash_block_tokens=32, max_prompt_tokens=2048,
                           max_output_tokens=2, time_scale=6.0, warmup=CONVERSATIONS)
     config = ReplayConfig(trace=trace, out=tmp_path / "replay", shape=shape, workers=2, engine_blocks=96,
                           model_cache=tmp_path / "models")
-    settings = Settings(broker=str(kafka_url), data_dir=str(tmp_path / "data"))
+    # The main command as the README runs it: no NEXUSKV_BROKER, so its own embedded broker. (On the
+    # session's Kafka it would also read the calibrations other tests published for vllm-cpu.)
+    settings = Settings(broker=None, data_dir=str(tmp_path / "data"))
     outcome = run_replay(config, settings, progress=False, say=lambda _line: None)
 
     for run in ("baseline", "nexuskv"):
