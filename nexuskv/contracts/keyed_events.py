@@ -240,7 +240,7 @@ _IDENTITY_CACHE = 1024
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, PublisherIdentity):
         return obj.model_dump(mode="json", exclude_defaults=False)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"kv-events v2: cannot encode {type(obj).__name__}")
 
 
 def _dec_hook(kind: type, obj: Any) -> Any:
@@ -263,7 +263,7 @@ def _dec_hook(kind: type, obj: Any) -> Any:
             if len(_IDENTITIES) > _IDENTITY_CACHE:
                 _IDENTITIES.popitem(last=False)
         return ident
-    raise NotImplementedError(f"cannot decode {kind!r}")
+    raise TypeError(f"kv-events v2: cannot decode {kind!r}")
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -362,7 +362,7 @@ def keyed_schema() -> dict:
     def hook(kind: type) -> dict:
         if kind is PublisherIdentity:
             return ident
-        raise NotImplementedError
+        raise TypeError(f"kv-events v2: no JSON Schema for {kind!r}")
 
     doc = msgspec.json.schema(KeyedBatch, schema_hook=hook)
     doc["$comment"] = ("nexuskv.kv-events schema_version 2 (msgpack; bytes are msgpack bin, base64 in JSON): "
