@@ -20,11 +20,11 @@ from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS, Topic
 from nexuskv.index import GlobalIndex
-from streams.bus import BatchSigner, make_consumer, make_producer
+from streams.bus.clients import BatchSigner, make_consumer, make_producer
+from streams.bus.process import ManagedProcess
+from streams.bus.topics import ensure_topics
 from streams.index_worker import PartitionCheckpoint, checkpoint_path, read_checkpoint
 from streams.kv_intake import partition_of
-from streams.process import ManagedProcess
-from streams.topics import ensure_topics
 
 from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
 

@@ -18,7 +18,7 @@ def attack_broker() -> Iterator[BrokerUrl]:
     if given:
         yield parse_broker_url(given)
         return
-    from streams.broker import ApacheKafkaBroker
+    from streams.bus.broker import ApacheKafkaBroker
 
     with ApacheKafkaBroker() as broker:
         yield broker.url

@@ -4,7 +4,7 @@
 answers every lookup with the benchmark scenario (a reuse wins: no transfer is ordered).
 ``python -m benchmarks._planner_bus_probe echo kafka://...`` consumes ``bench.echo-requests`` and
 produces each value unchanged, with its key, to ``bench.echo-replies``: the same clients and
-settings (``streams.tuning.LOW_LATENCY_*``) with no decoding, planning or encoding, the floor of a
+settings (``streams.bus.tuning.LOW_LATENCY_*``) with no decoding, planning or encoding, the floor of a
 request/response round trip on this bus. Both print ``ready`` once they hold their partitions.
 """
 
@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from benchmarks._planner_scenario import ScenarioIndex
 from nexuskv.config import parse_broker_url
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.topics import Topic
-from streams import tuning
-from streams.bus import make_consumer, make_producer
+from streams.bus import tuning
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.process import stop_on_signals
 from streams.planner_service import PlannerService
-from streams.process import stop_on_signals
+
+from benchmarks._planner_scenario import ScenarioIndex
 
 ECHO_REQUESTS = Topic("bench.echo-requests", "request id", DeadLetter, "json", "echo benchmark requests")
 ECHO_REPLIES = Topic("bench.echo-replies", "request id", DeadLetter, "json", "echo benchmark replies")

@@ -31,10 +31,10 @@ from nexuskv.contracts.plans import PlanRequest, WorkerLoad
 from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
-from streams.broker import ApacheKafkaBroker
-from streams.bus import make_consumer, make_producer
-from streams.process import ManagedProcess, wait_for_kafka
-from streams.topics import ensure_topics
+from streams.bus.broker import ApacheKafkaBroker
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.process import ManagedProcess, wait_for_kafka
+from streams.bus.topics import ensure_topics
 
 from benchmarks._attack import ROOT, SECRET, encoded, end_offsets, names, replay, topics, wait_checkpointed, worker
 from benchmarks._result import write_result

@@ -29,11 +29,11 @@ from nexuskv.contracts.plans import PlanRequest, WorkerLoad
 from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS, TRANSFER_RESULTS
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
-from streams.bus import make_consumer, make_producer
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.process import freeze_startup_heap
+from streams.bus.topics import ensure_topics
 from streams.planner_service import PlannerService
-from streams.process import freeze_startup_heap
 from streams.replica import IndexReplica
-from streams.topics import ensure_topics
 
 from benchmarks._attack import SECRET, encoded, names, produce, reference, replay, topics
 from benchmarks._attack_broker import attack_broker

@@ -96,7 +96,7 @@ async def run(url, *, records: int, malformed_only: bool, folder: Path) -> dict:
     signer = mallory = None
     if not malformed_only:
         from nexuskv.contracts.kv_signature import publisher_key
-        from streams.bus import BatchSigner
+        from streams.bus.clients import BatchSigner
 
         signer = BatchSigner(bus_secret=BUS.encode())
         mallory = BatchSigner(keys={victim: publisher_key(BUS.encode(), "mallory")})

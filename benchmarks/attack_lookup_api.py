@@ -37,8 +37,8 @@ import aiohttp
 from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.identity import BlockKeyer
-from streams.process import ManagedProcess, free_port
-from streams.topics import ensure_topics
+from streams.bus.process import ManagedProcess, free_port
+from streams.bus.topics import ensure_topics
 
 from benchmarks._attack import ROOT, encoded, produce, replay
 from benchmarks._attack_broker import attack_broker

@@ -18,8 +18,9 @@ import zlib
 
 import numpy as np
 
-from benchmarks._result import write_result
 from nexuskv.dataplane.payload import PayloadKey, payload_checksum
+
+from benchmarks._result import write_result
 
 
 def _rate(fn, buffers) -> float:

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._result import write_result
 from nexuskv.contracts.transfers import TransferCommand, TransferStatus
 from nexuskv.dataplane import (
     BackendCatalog,
@@ -57,8 +56,10 @@ from nexuskv.dataplane.remote_store import parse_store_address
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import TierUnavailableError
-from streams.process import ManagedProcess
+from streams.bus.process import ManagedProcess
 from streams.remote_tier import local_address
+
+from benchmarks._result import write_result
 
 PAIRS = [("disk", "host"), ("host", "disk"), ("host", "device"), ("device", "host"), ("host", "remote"),
          ("remote", "host")]

@@ -38,15 +38,16 @@ _REPO = _HERE.parent
 if str(_REPO) not in sys.path:  # also runnable as a script
     sys.path.insert(0, str(_REPO))
 
-from benchmarks._result import write_result  # noqa: E402
 from nexuskv.config import BrokerUrl  # noqa: E402
 from nexuskv.contracts.dead_letter import DeadLetter  # noqa: E402
 from nexuskv.contracts.topics import Topic  # noqa: E402
-from streams import tuning  # noqa: E402
-from streams.broker import ApacheKafkaBroker, TansuBroker  # noqa: E402
-from streams.bus import make_consumer, make_producer  # noqa: E402
-from streams.process import ManagedProcess, free_port  # noqa: E402
-from streams.topics import ensure_topics  # noqa: E402
+from streams.bus import tuning  # noqa: E402
+from streams.bus.broker import ApacheKafkaBroker, TansuBroker  # noqa: E402
+from streams.bus.clients import make_consumer, make_producer  # noqa: E402
+from streams.bus.process import ManagedProcess, free_port  # noqa: E402
+from streams.bus.topics import ensure_topics  # noqa: E402
+
+from benchmarks._result import write_result  # noqa: E402
 
 
 class KafkaWithJoinDelay(ApacheKafkaBroker):
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "topic_partitions": tuning.TOPIC_PARTITIONS,
         "tuned_settings": dict(tuning.FAUST),
         "modes": {"default": "faust-streaming defaults (broker, raw values, data folder and a free web port set)",
-                  "tuned": "streams.faust_app.make_faust_app (streams.tuning.FAUST)"},
+                  "tuned": "streams.faust_app.make_faust_app (streams.bus.tuning.FAUST)"},
         "brokers": report["brokers"],
         "medians_s": report["medians"],
         "runs": report["runs"],

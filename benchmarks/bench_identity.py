@@ -21,8 +21,9 @@ import time
 
 import numpy as np
 
-from benchmarks._result import write_result
 from nexuskv.identity import BlockKeyer, IdentityScope
+
+from benchmarks._result import write_result
 
 BLOCK = 16
 TOKENS = 8192

@@ -29,13 +29,14 @@ import tracemalloc
 
 import numpy as np
 
-from benchmarks._result import write_result
-from benchmarks.trace_events import TraceReplay, load_trace
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.reference_index import ReferenceIndex
+
+from benchmarks._result import write_result
+from benchmarks.trace_events import TraceReplay, load_trace
 
 SECRET = b"bench"
 BS = 16

@@ -53,7 +53,6 @@ import tracemalloc
 
 import numpy as np
 
-from benchmarks._result import write_result
 from nexuskv.contracts import codec
 from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, encode_keyed
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, PublisherIdentity
@@ -61,6 +60,8 @@ from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
+
+from benchmarks._result import write_result
 
 BS = 16
 WORKERS = 8

@@ -1,6 +1,6 @@
 """``index_ingest_pipeline``: block operations per second through Kafka into the index, one worker.
 
-A real Apache Kafka (``streams.broker.ApacheKafkaBroker``) holds the Mooncake replay's batches
+A real Apache Kafka (``streams.bus.broker.ApacheKafkaBroker``) holds the Mooncake replay's batches
 (``benchmarks/trace_events.py``, first ``--requests`` requests, 16-token blocks, 8 workers) on a
 4-partition topic before either consumer starts. Then, in this process:
 
@@ -25,16 +25,17 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks._result import write_result
-from benchmarks.trace_events import TraceReplay, load_trace
 from nexuskv.contracts import codec
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS
-from streams.broker import ApacheKafkaBroker
-from streams.bus import make_producer
+from streams.bus.broker import ApacheKafkaBroker
+from streams.bus.clients import make_producer
+from streams.bus.topics import ensure_topics
 from streams.faust_app import make_faust_app
 from streams.index_worker import IndexWorker
-from streams.topics import ensure_topics
+
+from benchmarks._result import write_result
+from benchmarks.trace_events import TraceReplay, load_trace
 
 PARTITIONS = 4
 

@@ -29,14 +29,15 @@ import time
 
 import numpy as np
 
-from benchmarks._result import write_result
-from connectors.bridge import translate
 from connectors.kv_wire import EngineBatch, EngineRemoved, EngineStored
 from nexuskv.contracts import codec
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch, PublisherIdentity
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.edge_keys import EdgeKeyer
+from streams.bridge import translate
+
+from benchmarks._result import write_result
 
 BS = 16
 IDENT = PublisherIdentity(tenant_namespace="bench", model="m", model_revision="r", tokenizer_revision="t",

@@ -26,16 +26,17 @@ import time
 import uuid
 from pathlib import Path
 
+from nexuskv.contracts import codec
+from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS
+from streams.bus import tuning
+from streams.bus.broker import ApacheKafkaBroker, TansuBroker
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.process import ManagedProcess
+from streams.bus.topics import ensure_topics
+
 from benchmarks import _planner_scenario as scenario
 from benchmarks._planner_bus_probe import ECHO_REPLIES, ECHO_REQUESTS
 from benchmarks._result import write_result
-from nexuskv.contracts import codec
-from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS
-from streams import tuning
-from streams.broker import ApacheKafkaBroker, TansuBroker
-from streams.bus import make_consumer, make_producer
-from streams.process import ManagedProcess
-from streams.topics import ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -50,7 +50,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._result import write_result
 from nexuskv.contracts.kv_events import BlockRemoved, BlockStored, PublisherIdentity
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.descriptor import Tier
@@ -61,6 +60,8 @@ from nexuskv.planner import Headroom, PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from nexuskv.routing_policies import DynamoCost
+
+from benchmarks._result import write_result
 
 BS, QUERY_BLOCKS, SUB = 16, 512, 32  # 8K tokens; a Mooncake hash id covers 512 tokens = 32 of our blocks
 WORKERS, TARGET = 8, 1_000_000

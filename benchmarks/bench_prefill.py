@@ -29,10 +29,11 @@ import time
 import numpy as np
 import torch
 
-from benchmarks._result import write_result
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane import DescriptorRegistry, HostMemoryBackend
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
+
+from benchmarks._result import write_result
 
 SPECS = {
     "gqa": ReferenceModelSpec.gqa(block_size=16),

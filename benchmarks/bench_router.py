@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from connectors.router import POLICY_NAMES
+from streams.router import POLICY_NAMES
 
 from benchmarks._result import write_result
 from benchmarks.router_sim import SimConfig, compare, side_by_side

@@ -25,8 +25,9 @@ import duckdb
 
 from analytics.schema import TABLES
 from analytics.store import COLUMNS, DecisionStore, decision_row
-from benchmarks._result import write_result
 from nexuskv.contracts.decisions import Action
+
+from benchmarks._result import write_result
 from tests.analytics.test_store import decision
 
 

@@ -5,8 +5,8 @@ For each policy a fresh simulation replays the trace's requests in arrival order
 1. the request's canonical keys are looked up in that simulation's own
    :class:`~nexuskv.index.GlobalIndex`, fed by its workers' lifecycle events;
 2. the workers' loads at arrival (:class:`_Queue`) go into the query, and
-   :class:`~connectors.router.Router` picks a worker by the policy's rule;
-3. the route is evaluated by the planner on that worker (:func:`connectors.router.predict`): the
+   :class:`~streams.router.Router` picks a worker by the policy's rule;
+3. the route is evaluated by the planner on that worker (:func:`streams.router.predict`): the
    option it would take there (reuse the GPU prefix, pull from the worker's host tier or from
    another worker, or recompute), with its predicted service time and reused blocks;
 4. the worker serves it (:meth:`benchmarks.trace_events.TraceReplay.step` on the chosen worker: its
@@ -31,8 +31,6 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.trace_events import BLOCK_TOKENS, TraceReplay, TraceRequest
-from connectors.router import POLICY_NAMES, Router, RoutingOutcome
 from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.cost import CostModel
@@ -44,6 +42,9 @@ from nexuskv.models import known_model
 from nexuskv.planner import PlanQuery
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
 from nexuskv.profiles import shipped_cost_model
+from streams.router import POLICY_NAMES, Router, RoutingOutcome
+
+from benchmarks.trace_events import BLOCK_TOKENS, TraceReplay, TraceRequest
 
 __all__ = ["PROFILE", "MODEL", "SimConfig", "Served", "PolicyReport", "simulate", "compare", "side_by_side",
            "sim_execution_policy", "percentile"]

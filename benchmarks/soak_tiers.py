@@ -78,7 +78,7 @@ from nexuskv.errors import TierUnavailableError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
 from nexuskv.profiles import shipped_cost_model
-from streams.bus import make_consumer, make_producer, send
+from streams.bus.clients import make_consumer, make_producer, send
 from streams.replica import IndexReplica
 from streams.tier_manager import TierBus, cost_model_gains
 from streams.transfer_executor import TransferService
@@ -696,7 +696,7 @@ async def run_soak(config: SoakConfig, url: BrokerUrl, work: Path) -> SoakResult
 
 
 def _free_port() -> int:
-    from streams.process import free_port
+    from streams.bus.process import free_port
 
     return free_port()
 
@@ -748,11 +748,11 @@ def main(argv: list[str] | None = None) -> int:
     if override:
         result = asyncio.run(go(parse_broker_url(override)))
     else:
-        from streams.broker import ApacheKafkaBroker
+        from streams.bus.broker import ApacheKafkaBroker
 
         (work / "kafka").mkdir(parents=True, exist_ok=True)
         with ApacheKafkaBroker(work_dir=work / "kafka") as broker:
-            from streams.topics import ensure_topics
+            from streams.bus.topics import ensure_topics
 
             asyncio.run(ensure_topics(broker.url, partitions=4))
             result = asyncio.run(go(broker.url))

@@ -2,12 +2,12 @@
 
 vLLM's scheduler and SGLang's HiCache controller call their plugins from plain threads, while
 NexusKV's bus clients are asyncio. :class:`BackgroundBus` runs one loop on a daemon thread that
-owns a :class:`~streams.cost_models.CostModelReplica` and a producer, and offers them thread-safely:
+owns a :class:`~streams.bus.cost_models.CostModelReplica` and a producer, and offers them thread-safely:
 
 * :attr:`model` — the latest cost-model snapshot (an immutable value, read without a lock);
 * :meth:`publish` — send a :class:`~nexuskv.contracts.kv_events.KvEventBatch` keyed by its
   publisher, waiting for the acknowledgement (a publisher's batches stay in order);
-* :meth:`send` — any record to its topic and key (:func:`streams.topic_keys.route`, or the topic and
+* :meth:`send` — any record to its topic and key (:func:`streams.bus.topic_keys.route`, or the topic and
   key given), without waiting: observations and decision records, which must never hold up the
   engine's thread; a failed send is logged and counted (``send_failures``), never raised.
 
@@ -54,8 +54,8 @@ class _Sender:
         self.send_failures = 0
 
     async def _send(self, record: Contract, topic: Topic | None, key: str | None) -> None:
-        from streams.bus import send
-        from streams.topic_keys import route
+        from streams.bus.clients import send
+        from streams.bus.topic_keys import route
 
         if self._producer is None:
             raise BrokerError(f"{self.client_id}: the bus is not started")
@@ -108,8 +108,8 @@ class BackgroundBus(_Sender):
         return self
 
     async def _start(self, timeout_s: float) -> None:
-        from streams.bus import make_producer
-        from streams.cost_models import CostModelReplica
+        from streams.bus.clients import make_producer
+        from streams.bus.cost_models import CostModelReplica
 
         self._producer = make_producer(self.url, client_id=self.client_id)
         await self._producer.start()
@@ -122,7 +122,7 @@ class BackgroundBus(_Sender):
         return self._costs.model if self._costs is not None else self.base_model
 
     async def _publish(self, batch: KvEventBatch) -> None:
-        from streams.bus import send
+        from streams.bus.clients import send
 
         if self._producer is None:
             raise BrokerError(f"{self.client_id}: the bus is not started")
@@ -168,7 +168,7 @@ class BackgroundProducer(_Sender):
         self._init_sender()
 
     def start(self, timeout_s: float = 30.0) -> BackgroundProducer:
-        from streams.bus import make_producer
+        from streams.bus.clients import make_producer
 
         async def _start() -> None:
             self._producer = make_producer(self.url, client_id=self.client_id)

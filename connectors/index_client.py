@@ -39,11 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from nexuskv.config import Settings
-from nexuskv.errors import BrokerError
-from nexuskv.identity import IdentityScope
-from nexuskv.lookup import LookupResult
-from streams.index_sidecar import socket_path
-from streams.lookup_wire import (
+from nexuskv.contracts.lookup_wire import (
     OP_LOOKUP,
     OP_SYNC,
     VERSION,
@@ -58,6 +54,9 @@ from streams.lookup_wire import (
     result_of,
     wire_scope,
 )
+from nexuskv.errors import BrokerError
+from nexuskv.identity import IdentityScope
+from nexuskv.lookup import LookupResult
 
 __all__ = ["IndexClient", "client_from_settings"]
 
@@ -250,5 +249,5 @@ def _miss(n: int) -> LookupResult:
 
 def client_from_settings(settings: Settings, *, name: str) -> IndexClient:
     """The client of this node's sidecar, as the settings place it and budget it."""
-    return IndexClient(socket_path(settings), budget_s=settings.index_ask_budget_ms / 1000.0,
+    return IndexClient(settings.index_socket_path, budget_s=settings.index_ask_budget_ms / 1000.0,
                        backoff_s=settings.index_ask_backoff_ms / 1000.0, name=name)

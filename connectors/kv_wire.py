@@ -72,7 +72,7 @@ class EngineStored:
 
     Decoded as published: ``len(token_ids) == len(block_hashes) * block_size`` holds for
     ordinary events only (engines.md's own example and EAGLE bigram tokens break it); whether
-    an event can be keyed is decided where it is translated (:mod:`connectors.bridge`).
+    an event can be keyed is decided where it is translated (:mod:`streams.bridge`).
     """
 
     block_hashes: tuple[int, ...]

@@ -421,6 +421,14 @@ class Settings(BaseModel):
     def identity_secret_bytes(self) -> bytes:
         return self.identity_secret.encode("utf-8")
 
+    @property
+    def index_socket_path(self) -> Path:
+        """Where the node's index sidecar listens: ``NEXUSKV_INDEX_SOCKET``, else under the data folder.
+        Raises ConfigError naming the setting when the path is too long for a Unix socket."""
+        path = Path(self.index_socket) if self.index_socket else Path(self.data_dir) / "run" / "index.sock"
+        check_socket_path(path)
+        return path
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from ``NEXUSKV_*`` variables (``os.environ`` by default), then ``overrides``."""
@@ -444,6 +452,18 @@ class Settings(BaseModel):
             info = cls.model_fields.get(field)
             name = _env_name(info) if info is not None else field
             raise ConfigError(name, _short(err, secret=field in _SECRETS)) from None
+
+
+#: The longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes, NUL included).
+MAX_SOCKET_PATH = 107
+
+
+def check_socket_path(path: Path) -> None:
+    """ConfigError naming ``NEXUSKV_INDEX_SOCKET`` when ``path`` cannot be a Unix socket's."""
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH:
+        raise ConfigError("NEXUSKV_INDEX_SOCKET", f"{path} is {size} bytes; a Unix socket path has at most "
+                                                  f"{MAX_SOCKET_PATH}")
 
 
 def _env_name(info: Any) -> str:

@@ -62,7 +62,6 @@ unless ``expected_blocks`` sized the block table up front.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Sequence

@@ -18,7 +18,7 @@ Loading validates every field and reports *all* defects with their dotted paths
 **A policy file is whole or it is refused.** A TOML file cut short at a line boundary still
 parses, with whole sections silently back at their defaults, so a TOML policy *file* must end
 with the line :data:`POLICY_END_MARKER` (:func:`check_complete`, applied by the file watcher in
-``streams/policy_file.py`` at start and on every reload); a JSON object cut short never parses,
+``streams/bus/policy_file.py`` at start and on every reload); a JSON object cut short never parses,
 so JSON needs no marker. Writers should still write the new file beside the old one and rename it
 into place (the rename is atomic; the marker catches the writer that does not). :class:`PolicyHolder` keeps the last known good policy:
 an invalid new version is refused and the previous one stays in force. Every decision records

@@ -12,7 +12,7 @@ stream still gets its last observations out.
 
 State: a published entry is the whole state of its fit (mean, covariance, residual noise,
 observation count), so the agent keeps no second copy. At start it reads the latest entry per key
-back from ``nexuskv.cost-models`` (:func:`streams.cost_models.read_cost_models`) and resumes those
+back from ``nexuskv.cost-models`` (:func:`streams.bus.cost_models.read_cost_models`) and resumes those
 fits and their version numbers. A Faust table was the first design and was dropped: Faust refuses
 table writes outside stream iteration, so the timer's publications of a quiet stream's last
 observations could never be snapshotted, and a restart resumed a stale fit. What is lost on a crash
@@ -49,10 +49,11 @@ from nexuskv.cost import CostModel
 from nexuskv.errors import ContractError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus import dead_letter_for
+from streams.bus.clients import dead_letter_for
+from streams.bus.health import HEALTH
+from streams.bus.policy_file import load_policy
 from streams.faust_app import make_faust_app
-from streams.policy_file import load_policy
-from streams.telemetry import HEALTH, init_service
+from streams.telemetry import init_service
 
 __all__ = ["SERVICE", "CalibrationWorker", "build_app", "main"]
 
@@ -171,9 +172,9 @@ def build_app(url: BrokerUrl, *, base: CostModel, policy: ExecutionPolicy, min_o
 def main() -> None:  # pragma: no cover - exercised by `nexuskv up`
     import asyncio
 
-    from streams.broker import open_bus
-    from streams.cost_models import read_cost_models
-    from streams.topics import list_topics
+    from streams.bus.broker import open_bus
+    from streams.bus.cost_models import read_cost_models
+    from streams.bus.topics import list_topics
 
     settings = Settings.from_env()
     init_service(SERVICE, settings)

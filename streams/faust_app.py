@@ -1,7 +1,7 @@
 """The one way NexusKV builds a Faust app.
 
 Every Faust app of the project comes from :func:`make_faust_app`, so that each one gets the
-start-up and rebalance settings of :data:`streams.tuning.FAUST` (measured in
+start-up and rebalance settings of :data:`streams.bus.tuning.FAUST` (measured in
 ``benchmarks/README.md``, ``faust_time_to_first_event``) and none of Faust's defaults that cost
 half a minute per start. Build the app inside a function (a service's ``main``, a test fixture),
 never at module level: an App binds to an event loop and reads configuration when finalized.
@@ -20,7 +20,7 @@ import faust
 from faust.tables import TableManager
 
 from nexuskv.config import BrokerUrl
-from streams import tuning
+from streams.bus import tuning
 
 __all__ = ["make_faust_app", "faust_broker", "PromptTableManager"]
 

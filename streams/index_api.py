@@ -42,10 +42,11 @@ from nexuskv.config import Settings
 from nexuskv.errors import ConfigError, IdentityError, NexusKVError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
-from streams.process import freeze_startup_heap
+from streams.bus.health import HEALTH
+from streams.bus.process import freeze_startup_heap
 from streams.replica import IndexReplica
 from streams.supervisor import Supervisor, run_service
-from streams.telemetry import HEALTH, init_service
+from streams.telemetry import init_service
 
 __all__ = ["make_lookup_app", "result_json", "main"]
 

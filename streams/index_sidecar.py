@@ -3,7 +3,7 @@
 Engine processes (vLLM's scheduler, SGLang's HiCache backend) hold no index. They ask this
 process over a Unix socket (``NEXUSKV_INDEX_SOCKET``, default ``$NEXUSKV_DATA_DIR/run/index.sock``)
 with :class:`connectors.index_client.IndexClient`, in the binary frames of
-:mod:`streams.lookup_wire`: the request's canonical keys in, the matches out (per location: tier,
+:mod:`nexuskv.contracts.lookup_wire`: the request's canonical keys in, the matches out (per location: tier,
 group, publisher, prefix, extents, certainty, and the replica's lag). The answer is what an
 in-process replica would have given; the engine keeps planning for itself.
 
@@ -18,7 +18,7 @@ soon as their frame is read, so an ask waits behind at most one slice of ingest 
 queued before it. The client gives up after its budget (``NEXUSKV_INDEX_ASK_BUDGET_MS``) and the
 engine recomputes.
 
-**Hostile or broken clients.** A frame larger than :data:`streams.lookup_wire.MAX_FRAME` or not an
+**Hostile or broken clients.** A frame larger than :data:`nexuskv.contracts.lookup_wire.MAX_FRAME` or not an
 ask closes that connection (counted in :attr:`IndexSidecar.malformed`); a lookup whose scope does
 not validate is answered with an error. The socket is created mode 0660: only the node's NexusKV
 user and group reach it; it is the trust boundary (a local process may look up any tenant's
@@ -44,10 +44,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from nexuskv.config import Settings
-from nexuskv.errors import ConfigError, NexusKVError
-from nexuskv.identity import IdentityScope
-from streams.lookup_wire import (
+from nexuskv.config import Settings, check_socket_path
+from nexuskv.contracts.lookup_wire import (
     OP_LOOKUP,
     VERSION,
     Answer,
@@ -60,28 +58,18 @@ from streams.lookup_wire import (
     frame_length,
     scope_of,
 )
-from streams.process import freeze_startup_heap
+from nexuskv.errors import ConfigError, NexusKVError
+from nexuskv.identity import IdentityScope
+from streams.bus.health import HEALTH
+from streams.bus.process import freeze_startup_heap
 from streams.replica import IndexReplica
 from streams.supervisor import Supervisor, run_service
-from streams.telemetry import HEALTH, init_service
+from streams.telemetry import init_service
 
-__all__ = ["IndexSidecar", "socket_path", "MAX_PATH", "main"]
+__all__ = ["IndexSidecar", "main"]
 
 log = logging.getLogger("nexuskv.index_sidecar")
-#: The longest path a Unix socket may have on Linux (``sun_path`` is 108 bytes, NUL included).
-MAX_PATH = 107
 _SCOPES = 1024
-
-
-def socket_path(settings: Settings) -> Path:
-    """Where the node's sidecar listens: ``NEXUSKV_INDEX_SOCKET``, else under the data folder."""
-    return Path(settings.index_socket) if settings.index_socket else Path(settings.data_dir) / "run" / "index.sock"
-
-
-def check_socket_path(path: Path) -> None:
-    if len(os.fsencode(path)) > MAX_PATH:
-        raise ConfigError("NEXUSKV_INDEX_SOCKET", f"{path} is {len(os.fsencode(path))} bytes; a Unix socket path "
-                                                  f"has at most {MAX_PATH}")
 
 
 class _Connection(asyncio.Protocol):
@@ -234,8 +222,7 @@ async def _ready_when_caught_up(replica: IndexReplica) -> None:
 async def _serve(settings: Settings, stop: Any) -> None:
     url = settings.broker_url
     assert url is not None
-    path = socket_path(settings)
-    check_socket_path(path)
+    path = settings.index_socket_path
     HEALTH.set_ready("replica", False, "catching up with the log")
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
                            checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
@@ -263,7 +250,7 @@ def main() -> int:
         settings = Settings.from_env()
         if settings.broker_url is None:
             raise ConfigError("NEXUSKV_BROKER", "the index sidecar needs a broker URL (nexuskv up sets it)")
-        check_socket_path(socket_path(settings))
+        settings.index_socket_path  # noqa: B018 - fails at start, naming the setting, when too long
     except NexusKVError as exc:
         print(f"index-sidecar: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ partition, it is signed with that publisher's key when the deployment has a bus 
 decodes — and its batch is applied to the index. A record refused there, or a batch the index
 refuses (a sequence or incarnation jump beyond :mod:`nexuskv.publishers`' bound), goes to
 ``nexuskv.dead-letter`` with the reason; dead letters are sent in batches
-(:class:`streams.bus.DeadLetterQueue`) and acknowledged before any checkpoint covers their records.
+(:class:`streams.bus.clients.DeadLetterQueue`) and acknowledged before any checkpoint covers their records.
 No Faust table is written: a table row per block would cap the worker at Faust's ~3.6k table
 updates per second.
 
@@ -89,11 +89,20 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS, Topic
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.index import ApplyOutcome, GlobalIndex
-from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
+from streams.bus.clients import (
+    DeadLetterQueue,
+    dead_letter_for,
+    is_transient,
+    make_consumer,
+    make_producer,
+    retry_transient,
+)
+from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
+from streams.bus.process import freeze_startup_heap
 from streams.faust_app import make_faust_app
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
-from streams.process import freeze_startup_heap
-from streams.telemetry import HEALTH, METRICS, init_service
+from streams.telemetry import init_service
 
 __all__ = ["IndexWorker", "PartitionCheckpoint", "read_checkpoint", "checkpoint_path", "load_checkpoints",
            "remove_stale_temporaries", "apply_sliced", "SLICE_S", "main"]
@@ -464,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     init_service(SERVICE, settings)
     import faust
 
-    from streams.topics import ensure_topics
+    from streams.bus.topics import ensure_topics
 
     topics = (dataclasses.replace(KV_EVENTS, name=args.topic), dataclasses.replace(DEAD_LETTER, name=args.dead_letter_topic))
     states = asyncio.run(ensure_topics(url, partitions=settings.topic_partitions,

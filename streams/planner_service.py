@@ -3,7 +3,7 @@
 Consumes ``nexuskv.plan-requests`` (and ``nexuskv.transfer-results``, which complete or fail the
 transfers it ordered), decides with the pure planner against in-process replicas — the index
 (any :class:`~nexuskv.lookup.IndexView`, injected) and the cost model
-(:class:`streams.cost_models.CostModelReplica`, fed by ``nexuskv.cost-models``) — and produces
+(:class:`streams.bus.cost_models.CostModelReplica`, fed by ``nexuskv.cost-models``) — and produces
 ``nexuskv.decisions`` (keyed by request id), ``nexuskv.placement`` (keyed by tenant and prefix
 root) and ``nexuskv.transfers`` (keyed by destination worker). Input that cannot be planned — a
 payload that does not decode, a descriptor the planner does not know, token ids that cannot be
@@ -34,7 +34,7 @@ a restarted process plans it again, deterministically, with the same record ids.
 
 Why aiokafka and not Faust: the goal is request -> decision in ≤ 20 ms on loopback, and Faust's
 consumer fetches with a hard-coded 1.5 s wait that Tansu answers only after half of it (~0.75 s
-per hop, ``streams/tuning.py``); a plain consumer with a 10 ms wait and a producer without linger
+per hop, ``streams/bus/tuning.py``); a plain consumer with a 10 ms wait and a producer without linger
 (``tuning.LOW_LATENCY_*``) keep the bus to a few milliseconds per hop. Faust's tables would add
 nothing here: the planner keeps no state of its own beyond transfers in flight.
 
@@ -87,22 +87,23 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
 from nexuskv.priors import with_assumed_hardware, with_assumed_reads
 from nexuskv.profiles import shipped_cost_model
-from streams import tuning
-from streams.bus import DeadLetterQueue, dead_letter_for, is_transient, make_consumer, make_producer, retry_transient
-from streams.cost_models import CostModelReplica
-from streams.policy_file import PolicyFile
-from streams.process import freeze_startup_heap
-from streams.supervisor import Supervisor, run_service
-from streams.telemetry import (
-    HEALTH,
-    METRICS,
-    carrier_headers,
-    decision_attributes,
-    init_service,
-    reason_code,
-    span_from_record,
-    tracer,
+from streams.bus import tuning
+from streams.bus.clients import (
+    DeadLetterQueue,
+    dead_letter_for,
+    is_transient,
+    make_consumer,
+    make_producer,
+    retry_transient,
 )
+from streams.bus.cost_models import CostModelReplica
+from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
+from streams.bus.policy_file import PolicyFile
+from streams.bus.process import freeze_startup_heap
+from streams.bus.tracing import carrier_headers, span_from_record, tracer
+from streams.supervisor import Supervisor, run_service
+from streams.telemetry import decision_attributes, init_service, reason_code
 from streams.tier_prices import TierPriceReplica
 
 __all__ = ["SERVICE", "NullIndexView", "KnownDescriptors", "Outgoing", "PlannerCore", "PlannerService", "main"]
@@ -535,7 +536,7 @@ async def _run(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:
 
 
 def main() -> int:  # pragma: no cover - exercised by `nexuskv up`
-    from streams.broker import open_bus
+    from streams.bus.broker import open_bus
 
     settings = Settings.from_env()
     init_service(SERVICE, settings)

@@ -30,7 +30,7 @@ from nexuskv.dataplane.remote_store import (
     segment_argv,
 )
 from nexuskv.errors import ConfigError, NexusKVError
-from streams.process import ManagedProcess, free_port
+from streams.bus.process import ManagedProcess, free_port
 from streams.telemetry import init_service
 
 __all__ = ["main", "local_address", "RemoteTierStore"]

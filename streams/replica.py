@@ -63,10 +63,10 @@ from nexuskv.errors import BrokerError, ContractError
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
-from streams.bus import make_consumer, retry_transient
+from streams.bus.clients import make_consumer, retry_transient
+from streams.bus.metrics import METRICS
 from streams.index_worker import apply_sliced, load_checkpoints
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
-from streams.telemetry import METRICS
 
 __all__ = ["IndexReplica", "KEYER_CACHE", "FROM_ENV"]
 

@@ -35,8 +35,11 @@ from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import NexusKVError
+from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
+from streams.bus.tracing import span_from_record
 from streams.supervisor import Supervisor, run_service
-from streams.telemetry import HEALTH, METRICS, init_service, span_from_record
+from streams.telemetry import init_service
 
 __all__ = ["DecisionSink", "SinkStats"]
 
@@ -75,7 +78,7 @@ class DecisionSink:
         self._letters = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        from streams.bus import DeadLetterQueue, make_consumer, make_producer
+        from streams.bus.clients import DeadLetterQueue, make_consumer, make_producer
 
         consumer = make_consumer(self.url, *_TOPICS.values(), client_id="decision-sink", group_id=self.group_id)
         producer = make_producer(self.url, client_id="decision-sink-dlq")
@@ -115,7 +118,7 @@ class DecisionSink:
             await producer.stop()
 
     async def _take(self, record: ConsumerRecord) -> None:
-        from streams.bus import dead_letter_for, decode_record
+        from streams.bus.clients import dead_letter_for, decode_record
 
         self.stats.consumed += 1
         topic = _TOPICS[record.topic]
@@ -170,7 +173,7 @@ async def _serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> Non
 def main() -> int:
     settings = Settings.from_env()
     init_service("decision-sink", settings)
-    from streams.broker import open_bus
+    from streams.bus.broker import open_bus
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         return run_service("decision-sink", lambda stop: _serve(settings, url, stop))

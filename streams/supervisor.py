@@ -2,7 +2,7 @@
 
 A service's long-running tasks (consume, follow, tick, commit, apply, heartbeat) run under one
 :class:`Supervisor`. They are meant to run until the service stops, so a task that raises *or
-returns* is a failure: the supervisor records it (:data:`streams.telemetry.HEALTH` is then not
+returns* is a failure: the supervisor records it (:data:`streams.bus.health.HEALTH` is then not
 alive, so ``/livez`` answers 503), cancels the other tasks and wakes :meth:`Supervisor.wait`,
 which raises :class:`ServiceFailed`. A service's ``main`` runs its loop with :func:`run_service`,
 which turns that into exit status 1 — so ``nexuskv up`` or an orchestrator sees a dead service
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nexuskv.errors import ConfigError, NexusKVError
-from streams.process import stop_on_signals
-from streams.telemetry import HEALTH, Health
+from streams.bus.health import HEALTH, Health
+from streams.bus.process import stop_on_signals
 
 __all__ = ["Supervisor", "ServiceFailed", "run_service"]
 

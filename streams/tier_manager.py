@@ -62,10 +62,12 @@ from nexuskv.dataplane.tiers import GainFn, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.policy import ExecutionPolicy
-from streams.bus import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.bus.clients import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
+from streams.bus.topic_keys import route
 from streams.supervisor import Supervisor, run_service
-from streams.telemetry import HEALTH, METRICS, init_service
-from streams.topic_keys import route
+from streams.telemetry import init_service
 
 __all__ = ["SERVICE", "TierBus", "cost_model_gains", "handle_hint", "state_records", "write_audit", "main"]
 
@@ -331,7 +333,7 @@ def build(settings: Settings, *, publish: Callable[[KeyedBatch], None],
 
 async def serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> TierManager:
     from nexuskv.profiles import shipped_cost_model
-    from streams.cost_models import CostModelReplica
+    from streams.bus.cost_models import CostModelReplica
     from streams.transfer_executor import TransferService
 
     replica = CostModelReplica(url, shipped_cost_model(), service=f"{SERVICE}-{settings.worker}")

@@ -24,8 +24,8 @@ from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import TIER_STATE
 from nexuskv.descriptor import Tier
 from nexuskv.errors import BrokerError, ContractError
-from streams.bus import dead_letter_for, make_consumer, send_dead_letter
-from streams.cost_models import _assign_all
+from streams.bus.clients import dead_letter_for, make_consumer, send_dead_letter
+from streams.bus.cost_models import _assign_all
 
 __all__ = ["TierPriceReplica"]
 

@@ -49,7 +49,7 @@ from nexuskv.dataplane.executor import TransferExecutor, TransferOutcome
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
-from streams.bus import (
+from streams.bus.clients import (
     DeadLetterQueue,
     dead_letter_for,
     decode_record,
@@ -58,9 +58,12 @@ from streams.bus import (
     retry_transient,
     send,
 )
+from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
+from streams.bus.topic_keys import route
+from streams.bus.tracing import start_span_from_record
 from streams.supervisor import ServiceFailed, Supervisor, run_service
-from streams.telemetry import HEALTH, METRICS, init_service, start_span_from_record
-from streams.topic_keys import route
+from streams.telemetry import init_service
 
 __all__ = ["TransferService", "catalog_from_settings", "main"]
 

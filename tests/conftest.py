@@ -23,7 +23,7 @@ def kafka_url() -> Iterator[BrokerUrl]:
     if override:
         yield parse_broker_url(override, field="NEXUSKV_TEST_BROKER")
         return
-    from streams.broker import ApacheKafkaBroker
+    from streams.bus.broker import ApacheKafkaBroker
 
     with ApacheKafkaBroker() as broker:
         yield broker.url
@@ -34,7 +34,8 @@ def index_sidecar(kafka_url, tmp_path_factory):
     """``python -m streams.index_sidecar`` on the session's Kafka, ready; its env is ``.env``."""
     import asyncio
 
-    from streams.topics import ensure_topics
+    from streams.bus.topics import ensure_topics
+
     from tests.sidecar import start_sidecar
 
     asyncio.run(ensure_topics(kafka_url, partitions=8))
@@ -53,7 +54,7 @@ def remote_tier_store(tmp_path_factory):
 
     from nexuskv.dataplane.remote import RemoteBackend
     from nexuskv.errors import TierUnavailableError
-    from streams.process import ManagedProcess
+    from streams.bus.process import ManagedProcess
     from streams.remote_tier import local_address
 
     address = local_address()

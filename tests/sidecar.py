@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from streams.process import ManagedProcess, free_port
+from streams.bus.process import ManagedProcess, free_port
 
 __all__ = ["Sidecar", "start_sidecar"]
 

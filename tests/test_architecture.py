@@ -1,8 +1,11 @@
 """Dependencies point one way (pyproject.toml ``[tool.importlinter]``), and the public surface is ``__all__``.
 
-``lint-imports`` checks the contracts: the layers ``connectors -> streams -> analytics -> nexuskv``;
-the deciding core free of I/O, the data plane and the reference engine; the decision store off the
-bus; the engine adapters independent. Running it here makes a wrong arrow fail CI.
+``lint-imports`` checks the contracts: the layers ``streams -> connectors | analytics -> nexuskv``,
+with the bus layer ``streams.bus`` below the engine adapters and the services; the engine adapters
+free of services, Faust, DuckDB and the OpenTelemetry SDK; the deciding core free of I/O, the data
+plane and the reference engine; the decision store off the bus; the engine adapters independent.
+Running it here makes a wrong arrow fail CI. What an engine process really loads is checked too,
+by importing the adapters in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -82,3 +85,38 @@ def test_public_surface():
     for name in nexuskv.__all__:
         assert hasattr(nexuskv, name), name
     assert "Settings" in nexuskv.__all__ and "StateDescriptor" in nexuskv.__all__
+
+
+#: Modules an engine process must never load (DESIGN.md, "Layers"): services, the composition root,
+#: the decision store, Faust, DuckDB, the OpenTelemetry SDK.
+ENGINE_FORBIDDEN = ("faust", "mode", "duckdb", "opentelemetry.sdk", "analytics", "streams.app")
+ENGINE_ADAPTERS = ("connectors.vllm.connector", "connectors.sglang.hicache", "connectors.index_client",
+                   "connectors.bus_thread", "connectors.vllm.wiring", "connectors.sglang.hicache_core")
+
+
+def _loaded_by(code: str) -> list[str]:
+    probe = code + textwrap.dedent(f"""
+        import sys
+        forbidden = {ENGINE_FORBIDDEN!r}
+        bad = sorted(m for m in sys.modules
+                     if any(m == f or m.startswith(f + ".") for f in forbidden)
+                     or (m.startswith("streams.") and not m.startswith("streams.bus")))
+        print(",".join(bad))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [m for m in done.stdout.strip().split(",") if m]
+
+
+def test_an_engine_process_loads_no_service_faust_duckdb_or_otel_sdk():
+    assert _loaded_by("".join(f"import {m}\n" for m in ENGINE_ADAPTERS)) == []
+
+
+def test_the_vllm_shell_class_loads_no_service_either():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        import pytest
+
+        pytest.skip("vLLM is not installed (infra/engines/install_vllm.sh)")
+    assert _loaded_by("from connectors.vllm.connector import NexusKVConnector\n") == []

@@ -275,7 +275,7 @@ def build_core(config: HiCacheConfig, settings: Any, *, layout: Any = None) -> t
     from nexuskv.dataplane.memory import HostMemoryBackend
     from nexuskv.dataplane.remote import RemoteBackend
     from nexuskv.policy import ExecutionPolicy
-    from streams.policy_file import PolicyFile
+    from streams.bus.policy_file import PolicyFile
 
     if settings.broker_url is None:
         raise ConfigError("NEXUSKV_BROKER", "the NexusKV HiCache backend needs the deployment's bus")

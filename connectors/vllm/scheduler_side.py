@@ -2,7 +2,7 @@
 
 vLLM builds one connector per role; this is the logic of the ``KVConnectorRole.SCHEDULER``
 instance, in vLLM's engine-core process (:mod:`connectors.vllm.shell` translates vLLM's objects
-into the plain values taken here; :mod:`connectors.vllm.standin` drives it with NexusKV's
+into the plain values taken here; :mod:`tests.connectors.vllm_standin` drives it with NexusKV's
 reference engine standing in for vLLM). Its worker-side counterpart is
 :mod:`connectors.vllm.worker_side`; what passes between them is :mod:`connectors.vllm.meta`.
 

@@ -36,8 +36,8 @@ from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.policy import ExecutionPolicy
-from streams.policy_file import PolicyFile
 from nexuskv.priors import ColdStart
+from streams.bus.policy_file import PolicyFile
 
 __all__ = ["disk_root", "tier_state_dir", "build_scheduler_side", "build_worker_side"]
 

@@ -9,7 +9,7 @@ consumer:
 ======== ==================================== =========================================================
 kind     consumer                             what it does there
 ======== ==================================== =========================================================
-route    the router (``connectors/router``)   the worker the planner chose and its predicted TTFT
+route    the router (``streams/router``)   the worker the planner chose and its predicted TTFT
 pin      the tier manager of ``worker``       keeps ``keys`` in ``tier`` until ``expires_at`` (a
                                               reused prefix until consumed, a transfer's source until
                                               its deadline), within the tier's pinned-bytes quota

@@ -13,9 +13,6 @@ reuse, and publishes lifecycle events and prefill observations through an inject
 """
 
 from nexuskv.reference_engine.descriptors import ENGINE_FAMILY, descriptor_for
-from nexuskv.reference_engine.engine_hash import engine_hashes
-from nexuskv.reference_engine.events import EventLog, Publisher, null_publisher
-from nexuskv.reference_engine.model import TinyModel
 from nexuskv.reference_engine.engine import (
     ATTENTION_GROUP,
     CHECKPOINT_GROUP,
@@ -25,6 +22,9 @@ from nexuskv.reference_engine.engine import (
     ReuseExtent,
     SaveOutcome,
 )
+from nexuskv.reference_engine.engine_hash import engine_hashes
+from nexuskv.reference_engine.events import EventLog, Publisher, null_publisher
+from nexuskv.reference_engine.model import TinyModel
 from nexuskv.reference_engine.spec import LayerKind, ReferenceModelSpec, Variant
 
 __all__ = [

@@ -3,7 +3,7 @@
 The runtime never talks to Kafka: it calls ``publisher(record)`` with a
 :class:`~nexuskv.contracts.kv_events.KvEventBatch` (one per operation that changed its state) or
 an :class:`~nexuskv.contracts.observations.ObservationRecord` (one per prefill). The bus adapter
-``streams.runtime_publisher.BusPublisher`` sends them to ``nexuskv.kv-events`` and
+``streams.bus.runtime_publisher.BusPublisher`` sends them to ``nexuskv.kv-events`` and
 ``nexuskv.observations``; :func:`null_publisher` drops them (the default, as vLLM's
 ``NullEventPublisher``).
 

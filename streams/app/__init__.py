@@ -9,5 +9,5 @@
 
 Nothing below this package imports it. Engine adapters (``connectors``) sit above ``streams`` in
 the dependency order, so this package starts them as processes by module name
-(``python -m connectors.bridge``), never by import.
+(``python -m streams.bridge``), never by import.
 """

@@ -169,7 +169,7 @@ class _Stop:
 
 
 def _cmd_broker(args: argparse.Namespace, settings: Settings) -> int:
-    from streams.broker import ApacheKafkaBroker, TansuBroker
+    from streams.bus.broker import ApacheKafkaBroker, TansuBroker
 
     stop = _Stop()
     kind = ApacheKafkaBroker if args.apache_kafka else TansuBroker
@@ -181,8 +181,8 @@ def _cmd_broker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
-    from streams.broker import open_bus
-    from streams.topics import ensure_topics, list_topics
+    from streams.bus.broker import open_bus
+    from streams.bus.topics import ensure_topics, list_topics
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         if args.action == "create":
@@ -198,9 +198,9 @@ def _cmd_topics(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from streams.app.services import start_services
-    from streams.broker import open_bus
+    from streams.bus.broker import open_bus
+    from streams.bus.topics import ensure_topics
     from streams.remote_tier import local_address
-    from streams.topics import ensure_topics
 
     stop = _Stop()
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
@@ -269,9 +269,9 @@ def _replay_reference(args: argparse.Namespace, settings: Settings, out: Path) -
     from analytics.report import report
     from streams.app.replay_reference import REPLAY_SERVICES, ReplayConfig, run_replay
     from streams.app.services import SERVICES, start_services
-    from streams.broker import open_bus
+    from streams.bus.broker import open_bus
+    from streams.bus.topics import ensure_topics
     from streams.remote_tier import local_address
-    from streams.topics import ensure_topics
 
     local = settings.model_copy(update={"data_dir": out})
     config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests or 200,

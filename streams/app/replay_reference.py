@@ -43,7 +43,6 @@ from pathlib import Path
 
 import numpy as np
 
-from streams.sink import DecisionSink
 from analytics.store import DecisionStore
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
@@ -60,9 +59,10 @@ from nexuskv.profiles import REFERENCE_CPU
 from nexuskv.reference_engine.engine import ReferenceEngine
 from nexuskv.reference_engine.spec import ReferenceModelSpec
 from streams.app.traces import TraceRequest, load_trace
-from streams.bus import make_consumer, make_producer, send
-from streams.runtime_publisher import BusPublisher
-from streams.telemetry import tracer
+from streams.bus.clients import make_consumer, make_producer, send
+from streams.bus.runtime_publisher import BusPublisher
+from streams.bus.tracing import tracer
+from streams.sink import DecisionSink
 from streams.transfer_executor import TransferService
 
 __all__ = ["ReplayConfig", "ReplayResult", "run_replay", "REPLAY_SERVICES"]

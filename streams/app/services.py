@@ -20,7 +20,7 @@ from pathlib import Path
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.errors import BrokerError
-from streams.process import ManagedProcess
+from streams.bus.process import ManagedProcess
 
 __all__ = ["Service", "SERVICES", "Running", "DeadService", "start_services"]
 

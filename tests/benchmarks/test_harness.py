@@ -17,6 +17,9 @@ import duckdb
 import numpy as np
 import pytest
 
+from nexuskv.descriptor import Tier
+from nexuskv.identity import BlockKeyer, IdentityScope
+
 from benchmarks.harness import HarnessConfig, run_harness
 from benchmarks.harness.cluster import STORE, Capacity, ClusterSpec
 from benchmarks.harness.keys import KeyBook
@@ -38,8 +41,6 @@ from benchmarks.harness.workloads import (
     trace_workload,
 )
 from benchmarks.trace_events import CONVERSATION_SLICE, load_trace
-from nexuskv.descriptor import Tier
-from nexuskv.identity import BlockKeyer, IdentityScope
 
 SMALL = Capacity(gpu_tokens=131_072, host_tokens=262_144, disk_tokens=524_288, remote_tokens=1_048_576)
 SPEC = ClusterSpec(workers=4, capacity=SMALL)

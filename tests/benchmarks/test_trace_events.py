@@ -1,8 +1,9 @@
 """The Mooncake trace replay: its events rebuild exactly the simulated workers' caches."""
 
-from benchmarks.trace_events import BLOCK_TOKENS, CONVERSATION_SLICE, TraceReplay, load_trace
 from nexuskv.descriptor import Tier
 from nexuskv.index import GlobalIndex
+
+from benchmarks.trace_events import BLOCK_TOKENS, CONVERSATION_SLICE, TraceReplay, load_trace
 
 
 def test_replayed_events_rebuild_the_simulated_caches_exactly():

@@ -23,7 +23,7 @@ from nexuskv.config import Settings
 from nexuskv.descriptor import DType, Tier
 from nexuskv.errors import ConfigError
 from nexuskv.models import gqa_descriptor
-from streams.topics import ensure_topics
+from streams.bus.topics import ensure_topics
 
 MODEL = "meta-llama/Llama-3.1-8B"
 README = {"backend_name": "nexuskv", "module_path": "connectors.sglang.hicache", "class_name": "NexusKVHiCacheStorage",

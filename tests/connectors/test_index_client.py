@@ -21,12 +21,13 @@ import msgspec
 import pytest
 
 from connectors.index_client import IndexClient
+from nexuskv.contracts.lookup_wire import VERSION, Answer, WireMatch, decode_ask, frame, pack_keys
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import BrokerError, ConfigError
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from streams.index_sidecar import IndexSidecar
-from streams.lookup_wire import VERSION, Answer, WireMatch, decode_ask, frame, pack_keys
+
 from tests.factories import scope
 
 SCOPE = scope("tenant-ask")
@@ -252,7 +253,7 @@ def test_the_sidecar_closes_a_connection_that_sends_garbage_and_refuses_a_bad_sc
         s.settimeout(2)
         assert s.recv(10) == b""
     assert server.sidecar.malformed == 2
-    from streams.lookup_wire import Ask, WireScope, decode_answer, encode_ask
+    from nexuskv.contracts.lookup_wire import Ask, WireScope, decode_answer, encode_ask
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(server.path))

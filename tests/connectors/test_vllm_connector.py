@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from connectors.vllm.meta import ConnectorMeta
-from connectors.vllm.standin import VllmStandIn
 from connectors.vllm.scheduler_side import Readable, Scheduled, SchedulerSide
 from connectors.vllm.tier_publisher import TierPublisher, tier_publisher_name
 from connectors.vllm.worker_side import WorkerSide, layout_of, tier_held
@@ -32,7 +31,9 @@ from nexuskv.errors import ConfigError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import LookupResult
 from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
+
 from tests.connectors.reference import POLICY, PROFILE, IndexFeed, cost_model, slow_links
+from tests.connectors.vllm_standin import VllmStandIn
 
 TOL = 1e-5
 SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla()}

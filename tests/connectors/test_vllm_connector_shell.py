@@ -108,7 +108,6 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     re-announces it, and every acted-upon decision and every timing is on the bus."""
     import torch
 
-    from connectors.vllm.standin import VllmStandIn
     from connectors.vllm.tier_publisher import tier_publisher_name
     from connectors.vllm.wiring import build_scheduler_side, build_worker_side
     from nexuskv.config import Settings
@@ -116,8 +115,10 @@ def test_the_wiring_serves_saved_blocks_over_the_bus_across_a_reset_and_a_restar
     from nexuskv.contracts.kv_events import KvEventBatch
     from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS
     from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec
-    from streams.topics import ensure_topics
+    from streams.bus.topics import ensure_topics
+
     from tests.connectors.reference import PROFILE, cost_model
+    from tests.connectors.vllm_standin import VllmStandIn
 
     asyncio.run(ensure_topics(kafka_url, partitions=8))
     tenant = f"vllm-shell-{uuid.uuid4().hex[:8]}"

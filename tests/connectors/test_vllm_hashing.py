@@ -2,14 +2,15 @@
 
 import pytest
 
-from connectors.vllm.hashing import (
+from nexuskv.errors import IdentityError
+
+from tests.connectors.vllm_hashing import (
     VllmBlockHasher,
     hash_block_tokens,
     none_hash,
     request_block_hashes,
     to_event_hash,
 )
-from nexuskv.errors import IdentityError
 
 
 def test_default_seed_none_hash():

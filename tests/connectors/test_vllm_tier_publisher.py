@@ -16,6 +16,7 @@ from nexuskv.contracts.kv_events import AllCleared, KvEventBatch
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.index import GlobalIndex
+
 from tests.factories import descriptor, kv_batch
 
 D = descriptor(block_size=4)

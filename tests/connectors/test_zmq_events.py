@@ -14,7 +14,7 @@ import threading
 import zmq
 
 from connectors.zmq_events import END_SEQ, KvEventSubscriber, SequenceTracker, payload_digest
-from streams.process import free_port
+from streams.bus.process import free_port
 
 
 def test_a_renumbered_batch_is_a_restart_a_resent_one_a_duplicate():

@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 
-from connectors.bridge import BridgeConfig, EventBridge
 from connectors.zmq_events import KvEventSubscriber
 from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, TierStored, unpack_hashes
 from nexuskv.contracts.topics import KV_EVENTS
@@ -19,9 +18,11 @@ from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.index import GlobalIndex
-from streams.bus import decode_record, make_consumer, make_producer
-from streams.process import free_port
-from streams.topics import ensure_topics
+from streams.bridge import BridgeConfig, EventBridge
+from streams.bus.clients import decode_record, make_consumer, make_producer
+from streams.bus.process import free_port
+from streams.bus.topics import ensure_topics
+
 from tests.factories import publisher_identity
 
 BLOCK = 4

@@ -26,7 +26,7 @@ from nexuskv.dataplane import (
 from nexuskv.dataplane.payload import HEADER_BYTES
 from nexuskv.descriptor import Tier
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
-from streams.process import ManagedProcess
+from streams.bus.process import ManagedProcess
 from streams.remote_tier import local_address
 
 DID = "sd1-" + "d" * 32

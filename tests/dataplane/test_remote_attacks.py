@@ -33,7 +33,7 @@ from nexuskv.dataplane import PayloadHeader, PayloadKey, RemoteBackend, verify_p
 from nexuskv.dataplane.payload import HEADER_BYTES
 from nexuskv.dataplane.remote_store import LEASE_MS, object_name, parse_store_address
 from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
-from streams.process import ManagedProcess
+from streams.bus.process import ManagedProcess
 from streams.remote_tier import local_address
 
 pytestmark = pytest.mark.slow

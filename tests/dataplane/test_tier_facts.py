@@ -12,6 +12,7 @@ from nexuskv.dataplane.tier_facts import (
     stored_events,
 )
 from nexuskv.descriptor import Tier
+
 from tests.factories import publisher_identity
 
 IDENT = publisher_identity()

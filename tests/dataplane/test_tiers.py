@@ -14,11 +14,11 @@ import torch
 
 from nexuskv.admission import Lru
 from nexuskv.contracts.transfers import TransferCommand, TransferStatus
+from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.disk import DiskBackend
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
-from nexuskv.dataplane.backend import host_view
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 

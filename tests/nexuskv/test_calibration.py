@@ -23,6 +23,7 @@ from nexuskv.models import known_model
 from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
+
 from tests.planning import NOW, lookup, match, query
 
 MODEL_NAME = "meta-llama/Llama-3.1-8B"

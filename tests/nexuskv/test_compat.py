@@ -17,6 +17,7 @@ from nexuskv.compat import (
 from nexuskv.descriptor import StateDescriptor, compatibility_view
 from nexuskv.errors import ContractError
 from nexuskv.identity import IdentityScope
+
 from tests.factories import descriptor, mla
 
 NOW = 1_700_000_000.0

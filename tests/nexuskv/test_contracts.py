@@ -25,6 +25,7 @@ from nexuskv.contracts.transfers import TransferCommand, TransferResult, Transfe
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ContractError, SchemaVersionError
 from nexuskv.schemas import schema_documents
+
 from tests.factories import descriptor, kv_batch, scope
 
 GPU_A = EntryLocation(worker="w-a", tier="gpu", group=0)

@@ -27,6 +27,7 @@ from nexuskv.profiles import (
     sglang_26305_cost_model,
     shipped_cost_model,
 )
+
 from tests.factories import descriptor, mla
 
 # anchors.md §3, "My FLOP-based estimates": seconds at 2K, 8K, 32K, 128K tokens.

@@ -16,6 +16,7 @@ from nexuskv.descriptor import (
 )
 from nexuskv.errors import ContractError
 from nexuskv.models import KNOWN_MODELS, known_model
+
 from tests.factories import descriptor, mla
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from nexuskv.errors import IdentityError
 from nexuskv.identity import BlockKeyer, IdentityScope, block_keys, key_bytes, key_from_bytes
+
 from tests.factories import scope
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)

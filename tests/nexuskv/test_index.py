@@ -14,6 +14,7 @@ from nexuskv.identity import BlockKeyer, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.index_core import BACKENDS, make_core
 from nexuskv.lookup import Extent
+
 from tests.factories import publisher_identity, scope
 
 BS = 4

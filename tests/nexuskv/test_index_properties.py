@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from nexuskv.identity import BlockKeyer
 from nexuskv.index import GlobalIndex
 from nexuskv.index_core import BACKENDS
 from nexuskv.reference_index import ReferenceIndex
+
 from tests.factories import publisher_identity, scope
 
 BS = 2

@@ -28,6 +28,7 @@ from nexuskv.identity import BlockKeyer
 from nexuskv.index import GlobalIndex, KeyedBlocks
 from nexuskv.index_core import BACKENDS
 from nexuskv.reference_index import ReferenceIndex
+
 from tests.factories import publisher_identity, scope
 
 BS = 4

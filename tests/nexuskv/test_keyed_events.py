@@ -29,6 +29,7 @@ from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError, SchemaVersionError
 from nexuskv.schemas import schema_documents
+
 from tests.factories import publisher_identity
 
 IDENT = publisher_identity()

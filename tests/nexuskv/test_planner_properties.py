@@ -20,6 +20,7 @@ from nexuskv.models import known_model
 from nexuskv.planner import Headroom, plan
 from nexuskv.policy import parse_policy
 from nexuskv.profiles import HARDWARE, shipped_cost_model
+
 from tests.factories import descriptor as tiny
 from tests.planning import NOW, lookup, match, query
 

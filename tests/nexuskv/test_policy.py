@@ -11,7 +11,7 @@ import pytest
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError, PolicyError
 from nexuskv.policy import POLICY_SCHEMA, ExecutionPolicy, PolicyHolder, parse_policy
-from streams.policy_file import PolicyFile, load_policy
+from streams.bus.policy_file import PolicyFile, load_policy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "policy" / "default.toml"
 

@@ -24,6 +24,7 @@ from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
 from nexuskv.priors import ColdStart, FlopFit, PagedLinkFit, with_assumed_reads
 from nexuskv.profiles import ModelSpec, shipped_cost_model
+
 from tests.factories import descriptor
 
 SPEC = ModelSpec("acme/tiny", active_params=3e5, layers=2, hidden=128, label="test")

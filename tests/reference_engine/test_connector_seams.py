@@ -8,7 +8,7 @@ import torch
 from nexuskv.contracts.keyed_events import KeyedBatch, KeyedStored, TierStored, unpack_hashes
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec
 
 PROMPT = list(range(1, 27))  # 6 full blocks of 4
 

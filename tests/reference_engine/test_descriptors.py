@@ -6,7 +6,7 @@ import pytest
 
 from nexuskv.dataplane import DescriptorRegistry, HostMemoryBackend, PayloadHeader, PayloadKey, loadable
 from nexuskv.descriptor import DType, SemanticType, StateDescriptor
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, descriptor_for
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, descriptor_for
 
 PROMPT = [(7 * i + 3) % 256 for i in range(21)]
 

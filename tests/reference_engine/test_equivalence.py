@@ -25,7 +25,7 @@ from nexuskv.dataplane import (
 )
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.reference_engine import CHECKPOINT_GROUP, ReferenceModelSpec, ReferenceEngine, TinyModel, Variant
+from nexuskv.reference_engine import CHECKPOINT_GROUP, ReferenceEngine, ReferenceModelSpec, TinyModel, Variant
 
 TOL = 1e-5
 SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla(), "hybrid": ReferenceModelSpec.hybrid()}

@@ -14,7 +14,7 @@ from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS
 from nexuskv.dataplane import DiskBackend, HostMemoryBackend
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, engine_hashes
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, engine_hashes
 
 PROMPT = [(5 * i + 1) % 256 for i in range(18)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nexuskv.dataplane import DescriptorRegistry, DiskBackend, HostMemoryBackend
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
 
 SPEC = ReferenceModelSpec.gqa()
 MODEL = TinyModel(SPEC)

@@ -7,7 +7,7 @@ import torch
 
 from nexuskv.descriptor import DType
 from nexuskv.errors import ConfigError
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel, Variant, descriptor_for
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel, Variant, descriptor_for
 
 SPECS = {"gqa": ReferenceModelSpec.gqa(), "mla": ReferenceModelSpec.mla(), "hybrid": ReferenceModelSpec.hybrid()}
 

@@ -10,9 +10,10 @@ import pytest
 
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import KV_EVENTS, TOPICS
-from streams.broker import TansuBroker
-from streams.bus import decode_record, make_consumer, make_producer, send
-from streams.topics import ensure_topics, list_topics
+from streams.bus.broker import TansuBroker
+from streams.bus.clients import decode_record, make_consumer, make_producer, send
+from streams.bus.topics import ensure_topics, list_topics
+
 from tests.factories import kv_batch
 
 

@@ -15,10 +15,10 @@ from nexuskv.contracts.topics import COST_MODELS, DEAD_LETTER, OBSERVATIONS
 from nexuskv.errors import ContractError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus import make_consumer, make_producer
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.cost_models import read_cost_models
+from streams.bus.topics import ensure_topics, list_topics
 from streams.calibration_agent import SERVICE, CalibrationWorker, build_app
-from streams.cost_models import read_cost_models
-from streams.topics import ensure_topics, list_topics
 
 TRUTH = (0.015, 4e-5, 8e-10)
 PROFILE = "h200x1-rdma4x200"

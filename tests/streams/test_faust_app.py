@@ -19,11 +19,11 @@ from faust.tables import TableManager
 from nexuskv.config import BrokerUrl, parse_broker_url
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.topics import Topic
-from streams import tuning
-from streams.broker import TansuBroker
-from streams.bus import make_producer
+from streams.bus import tuning
+from streams.bus.broker import TansuBroker
+from streams.bus.clients import make_producer
+from streams.bus.topics import ensure_topics
 from streams.faust_app import PromptTableManager, faust_broker, make_faust_app
-from streams.topics import ensure_topics
 
 FIRST_EVENT_WITHIN_S = 15.0
 URL = parse_broker_url("kafka://127.0.0.1:9")  # never contacted by the settings tests

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from nexuskv.identity import BlockKeyer
+from streams.bus.process import free_port
 from streams.index_api import make_lookup_app
-from streams.process import free_port
 from streams.replica import KEYER_CACHE, IndexReplica
 
 from tests.streams.index_pipeline import SECRET, encoded, names, produce, replay, topics

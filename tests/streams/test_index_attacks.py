@@ -24,7 +24,7 @@ from nexuskv.contracts import codec
 from nexuskv.contracts.kv_events import AllCleared, KvEventBatch
 from nexuskv.contracts.kv_signature import publisher_key
 from nexuskv.contracts.topics import KV_EVENTS
-from streams.bus import BatchSigner, make_consumer
+from streams.bus.clients import BatchSigner, make_consumer
 from streams.index_worker import PartitionCheckpoint, _write_checkpoint, checkpoint_path
 from streams.replica import IndexReplica
 

@@ -29,6 +29,7 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
 from streams.index_sidecar import IndexSidecar
 from streams.replica import IndexReplica
+
 from tests.streams.index_pipeline import SECRET, encoded, names, produce, reference, replay, topics
 
 pytestmark = pytest.mark.broker
@@ -160,6 +161,6 @@ def test_a_killed_sidecar_fails_the_ask_closed_and_its_restart_answers_again(kaf
 
 
 async def topics_default(url) -> None:
-    from streams.topics import ensure_topics
+    from streams.bus.topics import ensure_topics
 
     await ensure_topics(url, partitions=8)

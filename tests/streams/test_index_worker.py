@@ -27,12 +27,12 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS
 from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.index import GlobalIndex
-from streams.bus import make_consumer, make_producer
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.process import ManagedProcess, free_port
+from streams.bus.topics import ensure_topics
 from streams.index_api import make_lookup_app
 from streams.index_worker import checkpoint_path, read_checkpoint
-from streams.process import ManagedProcess, free_port
 from streams.replica import IndexReplica
-from streams.topics import ensure_topics
 
 from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
 

@@ -13,7 +13,7 @@ from nexuskv.contracts import codec
 from nexuskv.contracts.kv_signature import SIGNATURE_HEADER, publisher_key, sign, verify
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.errors import ContractError, UnauthenticatedError
-from streams.bus import BatchSigner
+from streams.bus.clients import BatchSigner
 from streams.kv_intake import INLINE_BYTES, KvIntake, Slicer, partition_of
 
 from benchmarks._attack import replay

@@ -13,10 +13,10 @@ import pytest
 from aiokafka import TopicPartition
 
 from nexuskv.policy import POLICY_END_MARKER
-from streams.bus import make_consumer
+from streams.bus.clients import make_consumer
+from streams.bus.topics import ensure_topics
 from streams.planner_service import NullIndexView, PlannerService
 from streams.supervisor import ServiceFailed
-from streams.topics import ensure_topics
 
 pytestmark = pytest.mark.broker
 EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "policy" / "default.toml"

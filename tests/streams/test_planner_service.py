@@ -27,10 +27,10 @@ from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.prefetch import PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
-from streams.broker import TansuBroker
-from streams.bus import make_consumer, make_producer
+from streams.bus.broker import TansuBroker
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.topics import ensure_topics
 from streams.planner_service import DispatchDelays, KnownDescriptors, PlannerService, plan_records
-from streams.topics import ensure_topics
 
 from tests.factories import descriptor as tiny_descriptor
 from tests.planning import NOW, KeyIndex

@@ -9,7 +9,7 @@ import pytest
 
 from nexuskv.errors import PolicyError
 from nexuskv.policy import POLICY_END_MARKER
-from streams.policy_file import PolicyFile, load_policy
+from streams.bus.policy_file import PolicyFile, load_policy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "policy" / "default.toml"
 

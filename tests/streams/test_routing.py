@@ -9,7 +9,7 @@ from nexuskv.contracts.transfers import TransferResult
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ContractError
-from streams.topic_keys import route
+from streams.bus.topic_keys import route
 
 from tests.factories import kv_batch
 

@@ -7,14 +7,15 @@ import uuid
 
 import pytest
 
-from streams.sink import DecisionSink
 from analytics.store import DecisionStore
-from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.dead_letter import DeadLetter
+from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.topics import DEAD_LETTER, DECISIONS, OBSERVATIONS, TRANSFER_RESULTS
 from nexuskv.contracts.transfers import TransferResult
-from streams.bus import decode_record, make_consumer, make_producer, send
-from streams.topics import ensure_topics
+from streams.bus.clients import decode_record, make_consumer, make_producer, send
+from streams.bus.topics import ensure_topics
+from streams.sink import DecisionSink
+
 from tests.analytics.test_store import DISK, GPU, decision, prefill
 
 

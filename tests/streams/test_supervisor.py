@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from streams.bus.health import Health
 from streams.supervisor import ServiceFailed, Supervisor, run_service
-from streams.telemetry import Health
 
 
 async def test_a_task_that_raises_stops_the_others_and_wait_says_which():

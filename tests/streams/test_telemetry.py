@@ -6,8 +6,10 @@ import urllib.request
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from streams.process import free_port
-from streams.telemetry import METRICS, carrier_headers, reason_code, serve_metrics, span_from_record
+from streams.bus.metrics import METRICS
+from streams.bus.process import free_port
+from streams.bus.tracing import carrier_headers, span_from_record
+from streams.telemetry import reason_code, serve_metrics
 
 
 def test_reason_codes_are_bounded_labels():

@@ -39,11 +39,11 @@ from nexuskv.index import GlobalIndex
 from nexuskv.models import known_model
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus import decode_record, make_consumer, make_producer, send
+from streams.bus.clients import decode_record, make_consumer, make_producer, send
+from streams.bus.topics import ensure_topics
 from streams.planner_service import KnownDescriptors, PlannerCore
 from streams.tier_manager import TierBus, build, handle_hint
 from streams.tier_prices import TierPriceReplica
-from streams.topics import ensure_topics
 from streams.transfer_executor import TransferService
 
 from tests.dataplane.tiering import BLOCK_BYTES, chain_tokens, save_blocks

@@ -13,7 +13,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from streams.sink import DecisionSink
 from analytics.store import DecisionStore
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch, PublisherIdentity
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
@@ -25,10 +24,12 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.index import GlobalIndex
 from nexuskv.models import known_model
 from nexuskv.policy import ExecutionPolicy
-from streams.bus import make_producer, send
+from streams.bus.clients import make_producer, send
+from streams.bus.topics import ensure_topics
+from streams.bus.tracing import tracer
 from streams.planner_service import PlannerService
-from streams.telemetry import install_tracer_provider, tracer
-from streams.topics import ensure_topics
+from streams.sink import DecisionSink
+from streams.telemetry import install_tracer_provider
 from streams.transfer_executor import TransferService
 
 EXPORTER = InMemorySpanExporter()

@@ -35,13 +35,13 @@ from nexuskv.dataplane import (
     TransferExecutor,
 )
 from nexuskv.descriptor import Tier
-from nexuskv.errors import ContractError
 from nexuskv.entries import EntryLocation
-from nexuskv.reference_engine import ReferenceModelSpec, ReferenceEngine, TinyModel
-from streams.broker import TansuBroker
-from streams.bus import decode_record, make_consumer, make_producer, send
-from streams.runtime_publisher import BusPublisher
-from streams.topics import ensure_topics
+from nexuskv.errors import ContractError
+from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
+from streams.bus.broker import TansuBroker
+from streams.bus.clients import decode_record, make_consumer, make_producer, send
+from streams.bus.runtime_publisher import BusPublisher
+from streams.bus.topics import ensure_topics
 from streams.transfer_executor import TransferService
 
 SPEC = ReferenceModelSpec.gqa()

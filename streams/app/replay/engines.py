@@ -12,7 +12,7 @@ vs 0.53 s compiled, fp32, one core); both runs use the same setting.
 
 The baseline run starts the engines plain; the NexusKV run adds NexusKV's KV connector
 (``--kv-transfer-config``, module ``connectors.vllm.connector``) and vLLM's ZMQ KV-event
-publisher (``--kv-events-config``) with a bridge per engine (``python -m connectors.bridge``), both
+publisher (``--kv-events-config``) with a bridge per engine (``python -m streams.bridge``), both
 started here by module name: the composition root starts engine adapters, it never imports them.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nexuskv.errors import ConfigError, NexusKVError
-from streams.process import ManagedProcess, free_port
+from streams.bus.process import ManagedProcess, free_port
 
 __all__ = ["EngineConfig", "VllmEngine", "vllm_available"]
 

@@ -9,7 +9,7 @@ What runs, all started here and stopped at the end:
   replay's decision store;
 * per engine: vLLM with NexusKV's KV connector (the README's ``--kv-transfer-config``: saves to
   the worker's disk tier, loads what the planner decides) and vLLM's ZMQ KV-event publisher, and
-  ``python -m connectors.bridge`` forwarding those events to ``nexuskv.kv-events``;
+  ``python -m streams.bridge`` forwarding those events to ``nexuskv.kv-events``;
 * routing: each request's canonical keys and the engines' queues go to the planner as a plan
   request; the request goes where the decision says (:class:`~streams.app.replay.routing.PlannerRouter`).
 
@@ -42,10 +42,10 @@ from streams.app.replay.routing import PlannerRouter
 from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, serve_stream, start_engines
 from streams.app.replay.workload import Workload
 from streams.app.services import SERVICES, start_services
-from streams.broker import open_bus
-from streams.process import ManagedProcess, free_port
+from streams.bus.broker import open_bus
+from streams.bus.process import ManagedProcess, free_port
+from streams.bus.topics import ensure_topics
 from streams.sink import DecisionSink
-from streams.topics import ensure_topics
 
 __all__ = ["run_nexuskv", "replay_descriptor", "CPU_PROFILE", "MIN_OBSERVATIONS"]
 
@@ -71,7 +71,7 @@ class _Bridge:
                  env: dict[str, str], log_dir: Path) -> None:
         self.log = log_dir / f"bridge{i}.log"
         self.proc = ManagedProcess(
-            [sys.executable, "-m", "connectors.bridge", "--engine", "vllm", "--endpoint", f"tcp://127.0.0.1:{pub}",
+            [sys.executable, "-m", "streams.bridge", "--engine", "vllm", "--endpoint", f"tcp://127.0.0.1:{pub}",
              "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--descriptor", str(descriptor_file),
              "--tenant", tenant, "--block-size", str(block_size),
              "--state-file", str(log_dir.parent / f"bridge{i}-state.json")],

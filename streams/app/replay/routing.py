@@ -21,7 +21,7 @@ from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import NexusKVError
 from nexuskv.identity import BlockKeyer, IdentityScope
-from streams.bus import make_consumer, make_producer, send
+from streams.bus.clients import make_consumer, make_producer, send
 
 __all__ = ["Loads", "LeastOutstanding", "PlannerRouter", "Routed"]
 

@@ -20,7 +20,7 @@ from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, request_ro
 from streams.app.replay.workload import Workload, WorkloadShape, build_workload
 from streams.app.tiny_model import TinyLlamaSpec, build_tiny_llama
 from streams.app.traces import load_trace
-from streams.process import free_port
+from streams.bus.process import free_port
 
 __all__ = ["ReplayConfig", "ReplayOutcome", "run_replay", "default_replay_dir"]
 

@@ -1,8 +1,8 @@
-"""SGLang's KV events into ``connectors.bridge`` and out of Apache Kafka, for the event tests.
+"""SGLang's KV events into ``streams.bridge`` and out of Apache Kafka, for the event tests.
 
 :class:`Line` runs the real path: an SGLang ``ZmqEventPublisher`` (0.5.23's, or an older release's
 own ``kv_events.py``) on loopback TCP, NexusKV's :class:`~connectors.zmq_events.KvEventSubscriber`
-and :class:`~connectors.bridge.EventBridge` forwarding to the test session's Kafka, and a reader of
+and :class:`~streams.bridge.EventBridge` forwarding to the test session's Kafka, and a reader of
 ``nexuskv.kv-events`` keeping this publisher's batches. :func:`expected` says what each SGLang
 event must become, from the event's own fields — independently of the bridge's code.
 """
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connectors.bridge import BridgeConfig, EventBridge
 from connectors.descriptors import publisher_identity, resolve_descriptor
 from connectors.zmq_events import KvEventSubscriber
 from nexuskv.contracts.keyed_events import KeyedBatch
@@ -24,9 +23,10 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
-from streams.bus import decode_record, make_consumer, make_producer
-from streams.process import free_port
-from streams.topics import ensure_topics
+from streams.bridge import BridgeConfig, EventBridge
+from streams.bus.clients import decode_record, make_consumer, make_producer
+from streams.bus.process import free_port
+from streams.bus.topics import ensure_topics
 
 _MASK = (1 << 64) - 1
 _TIERS = {None: Tier.GPU, "GPU": Tier.GPU, "CPU_PINNED": Tier.HOST, "DISK": Tier.DISK, "EXTERNAL": Tier.REMOTE}
@@ -166,13 +166,13 @@ class Line:
             await self._consumer.stop()
 
     def bridge_process(self) -> Any:
-        """``python -m connectors.bridge --engine sglang`` for this engine, as a deployment runs it (not started)."""
+        """``python -m streams.bridge --engine sglang`` for this engine, as a deployment runs it (not started)."""
         import os
         import sys
 
-        from streams.process import ManagedProcess
+        from streams.bus.process import ManagedProcess
 
-        argv = [sys.executable, "-m", "connectors.bridge", "--engine", "sglang",
+        argv = [sys.executable, "-m", "streams.bridge", "--engine", "sglang",
                 "--endpoint", f"tcp://127.0.0.1:{self.port}", "--replay-endpoint", f"tcp://127.0.0.1:{self.replay_port}",
                 "--topic", self.topic, "--name", self.pod, "--model", "meta-llama/Llama-3.1-8B",
                 "--tenant", "sglang-test", "--block-size", str(self.page), "--state-file", str(self.state_file)]

@@ -1,4 +1,4 @@
-"""SGLang's own KV-event code through ``connectors.bridge --engine sglang`` to Apache Kafka.
+"""SGLang's own KV-event code through ``streams.bridge --engine sglang`` to Apache Kafka.
 
 SGLang 0.5.23's radix caches (``RadixCache`` and the default ``UnifiedRadixCache`` with its Rust
 tree core) record their events with SGLang's ``KVCacheEventRecorder``; SGLang's
@@ -23,7 +23,8 @@ from nexuskv.contracts.keyed_events import Cleared, KeyedStored
 from nexuskv.contracts.kv_events import AllCleared
 from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.index import GlobalIndex
-from streams.topics import ensure_topics
+from streams.bus.topics import ensure_topics
+
 from tests.connectors.sglang_real.events import Line, expected
 
 pytestmark = pytest.mark.broker
@@ -223,7 +224,7 @@ async def test_a_lost_last_batch_is_found_without_new_traffic(kafka_url, tmp_pat
 
 
 async def test_late_join_bridge_restart_and_engine_restart(kafka_url, tmp_path):
-    """``python -m connectors.bridge --engine sglang`` started after the engine, restarted (its state
+    """``python -m streams.bridge --engine sglang`` started after the engine, restarted (its state
     file) while the engine publishes, and an engine restarted on the same endpoints: nothing SGLang
     buffers is missed, and the restarted engine is a new incarnation that starts empty."""
     line = Line(kafka_url, tmp_path, page=PAGE)

@@ -14,7 +14,8 @@ import uuid
 import pytest
 import torch
 
-from streams.topics import ensure_topics
+from streams.bus.topics import ensure_topics
+
 from tests.connectors.sglang_real import engine
 
 pytestmark = pytest.mark.broker

@@ -69,7 +69,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def kv_topics(kafka_url):
-    from streams.topics import ensure_topics
+    from streams.bus.topics import ensure_topics
 
     asyncio.run(ensure_topics(kafka_url, partitions=4))
     return kafka_url

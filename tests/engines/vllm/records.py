@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Callable
 
 from nexuskv.config import BrokerUrl
-from nexuskv.contracts.base import Contract
 from nexuskv.contracts import codec
+from nexuskv.contracts.base import Contract
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError
 
@@ -16,7 +16,7 @@ __all__ = ["read_topic", "wait_for"]
 
 
 async def _read(url: BrokerUrl, topic: Topic, idle_ms: int) -> list[Contract]:
-    from streams.bus import make_consumer
+    from streams.bus.clients import make_consumer
 
     consumer = make_consumer(url, topic, client_id=f"vllm-test-{uuid.uuid4().hex[:6]}")
     await consumer.start()

@@ -41,7 +41,8 @@ from nexuskv.descriptor import Tier
 from nexuskv.hf_config import descriptor_from_hf_config
 from nexuskv.identity import BlockKeyer, IdentityScope
 from streams.app.tiny_model import word_id
-from streams.process import free_port
+from streams.bus.process import free_port
+
 from tests.engines.vllm.records import read_topic, wait_for
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.vllm]
@@ -109,7 +110,7 @@ def _readme_worker_and_tenant(flags: dict[str, str]) -> tuple[str, str]:
 
 def _free_events_ports(flags: dict[str, str]) -> dict[str, str]:
     """The README's flags; its ZMQ ports replaced by free ones only if another process holds them here."""
-    from streams.process import free_port
+    from streams.bus.process import free_port
 
     events = json.loads(flags["--kv-events-config"])
     for field in ("endpoint", "replay_endpoint"):

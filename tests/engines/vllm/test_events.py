@@ -1,7 +1,7 @@
 """vLLM's own KV events through NexusKV's bridge into the index, against vLLM's real prefix cache.
 
 A real vLLM engine (in-process engine: its scheduler's prefix cache is readable by the driver)
-publishes its KV events with its own ZMQ publisher; ``python -m connectors.bridge`` (keyed by a
+publishes its KV events with its own ZMQ publisher; ``python -m streams.bridge`` (keyed by a
 descriptor ``nexuskv descriptor`` wrote from the model's ``config.json``) forwards them to Kafka;
 an index replica follows the topic. After every step of a series — prompts sharing prefixes,
 prompts that evict older blocks from a small KV cache, ``reset_prefix_cache``, the bridge stopped
@@ -23,13 +23,14 @@ import uuid
 
 import pytest
 
-from connectors.vllm.hashing import VllmBlockHasher
 from connectors.vllm.tier_publisher import tier_publisher_name
 from nexuskv.contracts.topics import DEAD_LETTER
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
 from streams.app.tiny_model import word_id
-from streams.process import ManagedProcess, free_port
+from streams.bus.process import ManagedProcess, free_port
+
+from tests.connectors.vllm_hashing import VllmBlockHasher
 from tests.engines.vllm.engines import ROOT, cpu_env
 from tests.engines.vllm.records import read_topic, wait_for
 
@@ -115,7 +116,7 @@ def test_the_index_follows_vllms_prefix_cache_through_the_bridge(tiny_model, kv_
                                    "kv_connector_extra_config": {"tenant": tenant, "save_tier": "disk"}}}
     engine = engine_factory(spec, multiprocess=False, env={k: env[k] for k in ENGINE_ENV},
                             name="events")
-    bridge = _Bridge([sys.executable, "-m", "connectors.bridge", "--engine", "vllm",
+    bridge = _Bridge([sys.executable, "-m", "streams.bridge", "--engine", "vllm",
                       "--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
                       "--descriptor", str(desc_path), "--tenant", tenant, "--block-size", str(BS),
                       "--state-file", str(tmp_path / "bridge-state.json")], env, tmp_path / "bridge.log")

@@ -26,6 +26,7 @@ import pytest
 from connectors.vllm.meta import ConnectorMeta, CopyTiming, LoadSpec, PrefillWork, SaveSpec, WorkerReport
 from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
+
 from tests.engines.vllm.engines import ROOT, cpu_env
 
 pytestmark = pytest.mark.vllm

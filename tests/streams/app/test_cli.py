@@ -94,7 +94,7 @@ def test_up_starts_and_stops_cleanly(sig, tmp_path):
 
 @pytest.mark.broker
 def test_up_notices_a_dead_service_stops_the_rest_and_exits_non_zero(kafka_url, tmp_path):
-    from streams.process import free_port
+    from streams.bus.process import free_port
 
     env = {**os.environ, "NEXUSKV_BROKER": str(kafka_url), "NEXUSKV_DATA_DIR": str(tmp_path),
            "NEXUSKV_INDEX_API_PORT": str(free_port())}

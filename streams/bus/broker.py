@@ -10,7 +10,7 @@
 * :func:`open_bus` — what services call: the configured ``NEXUSKV_BROKER`` if set (checked to be
   reachable), else an embedded Tansu broker stopped on exit.
 
-Both brokers are child processes bound to their parent (:mod:`streams.process`): none outlives
+Both brokers are child processes bound to their parent (:mod:`streams.bus.process`): none outlives
 the process that started it.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from nexuskv.config import BrokerUrl, parse_broker_url
 from nexuskv.errors import BrokerError
-from streams.process import ManagedProcess, free_port, wait_for_kafka
+from streams.bus.process import ManagedProcess, free_port, wait_for_kafka
 
 __all__ = ["TansuBroker", "ApacheKafkaBroker", "open_bus", "check_reachable", "KAFKA_VERSION",
            "provision_apache_kafka"]

@@ -1,4 +1,4 @@
-"""``python -m connectors.router_service``: the reference router on the bus, behind HTTP.
+"""``python -m streams.router_service``: the reference router on the bus, behind HTTP.
 
 It keeps, in process: an :class:`~streams.replica.IndexReplica` of every ``nexuskv.kv-events``
 partition (bootstrapped from the index workers' checkpoints), a cost-model replica following
@@ -22,7 +22,7 @@ The router serves one descriptor (``--model`` or ``--descriptor``) of one tenant
 it keys prompts in that scope only. It listens on loopback by default; put it beside the gateway
 that asks it. Run::
 
-    python -m connectors.router_service --policy nexuskv --model meta-llama/Llama-3.1-8B \\
+    python -m streams.router_service --policy nexuskv --model meta-llama/Llama-3.1-8B \\
         --workers vllm/10.0.0.5:8000/dp0,vllm/10.0.0.6:8000/dp0 --port 8480
 
 (``--policy dynamo`` or ``--policy llm-d`` for the comparison rules; ``NEXUSKV_BROKER`` names the bus.)
@@ -44,7 +44,6 @@ from aiohttp import web
 from aiokafka import AIOKafkaConsumer
 
 from connectors.descriptors import resolve_descriptor
-from connectors.router import POLICY_NAMES, RouteHints, Router, RoutingOutcome
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
 from nexuskv.contracts.plans import WorkerLoad
@@ -53,11 +52,12 @@ from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import ConfigError, ContractError, IdentityError, NexusKVError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus import make_consumer, make_producer
-from streams.cost_models import CostModelReplica
-from streams.policy_file import PolicyFile
-from streams.process import stop_on_signals
+from streams.bus.clients import make_consumer, make_producer
+from streams.bus.cost_models import CostModelReplica
+from streams.bus.policy_file import PolicyFile
+from streams.bus.process import stop_on_signals
 from streams.replica import IndexReplica
+from streams.router import POLICY_NAMES, RouteHints, Router, RoutingOutcome
 from streams.telemetry import init_service
 
 __all__ = ["PlacementFollower", "RouterService", "make_router_app", "outcome_json", "main"]
@@ -254,7 +254,7 @@ async def _serve(args: argparse.Namespace, settings: Settings, url: BrokerUrl) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m connectors.router_service", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m streams.router_service", description=__doc__.splitlines()[0])
     ap.add_argument("--policy", choices=POLICY_NAMES, default=POLICY_NAMES[0])
     ap.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="a known model (nexuskv.models)")
     ap.add_argument("--descriptor", default=None, help="a StateDescriptor JSON file (instead of --model)")

@@ -36,7 +36,7 @@ token ids that do not fill the blocks) goes to ``nexuskv.dead-letter`` with its 
 *not* forwarded, so the index sees the sequence gap and treats the publisher as uncertain until
 it resyncs — fail closed rather than guess.
 
-Run: ``python -m connectors.bridge --engine vllm --endpoint tcp://10.0.0.5:5557
+Run: ``python -m streams.bridge --engine vllm --endpoint tcp://10.0.0.5:5557
 --replay-endpoint tcp://10.0.0.5:5558 --model meta-llama/Llama-3.1-8B`` (``NEXUSKV_BROKER``
 names the bus; unset, an embedded broker is started).
 """
@@ -66,7 +66,7 @@ from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.descriptor import Tier
 from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.errors import ContractError, NexusKVError
-from streams.process import stop_on_signals
+from streams.bus.process import stop_on_signals
 
 __all__ = [
     "DEFAULT_MEDIUMS",
@@ -212,7 +212,7 @@ class EventBridge:
     async def run(self, subscriber: KvEventSubscriber, producer: AIOKafkaProducer, *,
                   stop: asyncio.Event | None = None) -> None:
         """Forward until ``stop`` is set (or cancelled)."""
-        from streams.bus import dead_letter_for, send, send_dead_letter
+        from streams.bus.clients import dead_letter_for, send, send_dead_letter
 
         stop = stop or asyncio.Event()
         while not stop.is_set():
@@ -298,7 +298,7 @@ def _mediums(pairs: list[str]) -> dict[str, Tier]:
 
 
 async def _serve(args: argparse.Namespace, url: BrokerUrl, settings: Settings) -> None:
-    from streams.bus import make_producer
+    from streams.bus.clients import make_producer
 
     state = Path(args.state_file) if args.state_file else None
     config = BridgeConfig(engine=args.engine, identity=_identity(args), name=args.name,
@@ -321,7 +321,7 @@ async def _serve(args: argparse.Namespace, url: BrokerUrl, settings: Settings) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m connectors.bridge", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m streams.bridge", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     ap.add_argument("--endpoint", required=True, help="the engine's PUB endpoint, e.g. tcp://10.0.0.5:5557")
     ap.add_argument("--replay-endpoint", default=None, help="the engine's ROUTER replay endpoint")
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     settings = Settings.from_env()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from streams.broker import open_bus
+    from streams.bus.broker import open_bus
 
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(_serve(args, url, settings))

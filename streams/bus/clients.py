@@ -1,7 +1,7 @@
 """aiokafka producers and consumers that speak NexusKV's topic contracts.
 
 Every record on a NexusKV topic is a versioned contract encoded by :mod:`nexuskv.contracts.codec`;
-keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.telemetry`). A
+keys are UTF-8 strings; headers carry the sender's trace context (:mod:`streams.bus.tracing`). A
 consumer that cannot decode a record builds a :class:`DeadLetter` for it (:func:`dead_letter_for`)
 instead of dropping or crashing.
 
@@ -12,7 +12,7 @@ process has one: from ``NEXUSKV_PUBLISHER_KEYS``, else derived from ``NEXUSKV_BU
 the reference engine's bus publisher, the ZMQ bridge, the synchronous plugins' background bus —
 sends through here, so none of them signs on its own.
 
-Client settings that decide start-up and rebalance latency live in :mod:`streams.tuning`.
+Client settings that decide start-up and rebalance latency live in :mod:`streams.bus.tuning`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, Topic
 from nexuskv.errors import NexusKVError
-from streams import tuning
-from streams.telemetry import carrier_headers
+from streams.bus import tuning
+from streams.bus.tracing import carrier_headers
 
 __all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter",
            "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue",
@@ -110,7 +110,7 @@ async def retry_transient(op: Callable[[], Awaitable[T]], *, what: str) -> T:
     """``await op()`` until it succeeds, waiting out transient broker errors (backoff up to 5 s);
     any other error propagates. While it waits, the service's readiness says why (``/readyz``),
     so a broker outage is survived and reported, not fatal."""
-    from streams.telemetry import HEALTH
+    from streams.bus.health import HEALTH
 
     attempt = 0
     while True:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.bridge import ENGINE_CLEARS, BridgeConfig, EventBridge, publisher_name, tier_of, translate
 from connectors.kv_wire import EngineBatch, EngineCleared, EngineRemoved, EngineStored
 from connectors.wire_formats import encode_batch
 from connectors.zmq_events import RawBatch, SequenceTracker
@@ -12,10 +11,12 @@ from nexuskv.contracts import codec
 from nexuskv.contracts.keyed_events import Cleared, KeyedBatch, KeyedStored, Removed, unpack_hashes
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored
 from nexuskv.contracts.topics import KV_EVENTS
-from nexuskv.edge_keys import scope_of
-from nexuskv.identity import BlockKeyer
 from nexuskv.descriptor import Tier
+from nexuskv.edge_keys import scope_of
 from nexuskv.errors import ContractError
+from nexuskv.identity import BlockKeyer
+from streams.bridge import ENGINE_CLEARS, BridgeConfig, EventBridge, publisher_name, tier_of, translate
+
 from tests.factories import publisher_identity
 
 IDENTITY = publisher_identity()
@@ -62,8 +63,9 @@ def test_translate_maps_every_event():
 def test_an_engines_clear_concerns_its_own_memory_only():
     """vLLM's prefix-cache reset leaves every tier but the GPU's (DESIGN invariants); SGLang's clears
     its publisher, whose facts are its radix caches (its storage pages have their own publisher)."""
-    from nexuskv.index import GlobalIndex
     from nexuskv.identity import IdentityScope, block_keys
+    from nexuskv.index import GlobalIndex
+
     from tests.factories import descriptor
 
     d = descriptor()

@@ -11,14 +11,14 @@ import aiohttp
 import pytest
 
 from connectors.descriptors import publisher_identity
-from connectors.router_service import RouterService
 from nexuskv.contracts.kv_events import BlockStored, KvEventBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT
 from nexuskv.models import known_model
-from streams.bus import make_producer, send
-from streams.process import free_port
-from streams.topics import ensure_topics
+from streams.bus.clients import make_producer, send
+from streams.bus.process import free_port
+from streams.bus.topics import ensure_topics
+from streams.router_service import RouterService
 
 pytestmark = pytest.mark.broker
 

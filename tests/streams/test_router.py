@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.router import POLICY_NAMES, RouteHints, Router, local_prefix, predict
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.plans import WorkerLoad
@@ -16,6 +15,7 @@ from nexuskv.planner import plan
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from nexuskv.routing_policies import DynamoCost, LlmdScheduler
+from streams.router import POLICY_NAMES, RouteHints, Router, local_prefix, predict
 
 from benchmarks.router_sim import SimConfig, compare, side_by_side, sim_execution_policy
 from benchmarks.trace_events import CONVERSATION_SLICE, load_trace

@@ -29,7 +29,7 @@ from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.topics import COST_MODELS
 from nexuskv.cost import CostModel
 from nexuskv.errors import BrokerError, ContractError
-from streams.bus import dead_letter_for, make_consumer, retry_transient, send_dead_letter
+from streams.bus.clients import dead_letter_for, make_consumer, retry_transient, send_dead_letter
 
 __all__ = ["read_cost_models", "CostModelReplica"]
 

@@ -3,7 +3,7 @@
 :class:`~nexuskv.reference_engine.engine.ReferenceEngine` is synchronous and imports no Kafka; it calls
 ``publisher(record)``. :class:`BusPublisher` is that callable: it keeps the records in order and
 :meth:`BusPublisher.flush` sends them (``nexuskv.kv-events`` and ``nexuskv.observations``, keyed
-by :func:`streams.topic_keys.route`), returning once the broker acknowledged each. Flush after each
+by :func:`streams.bus.topic_keys.route`), returning once the broker acknowledged each. Flush after each
 engine step, as an engine's event publisher drains its queue.
 """
 
@@ -15,8 +15,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import RecordMetadata
 
 from nexuskv.reference_engine.events import Record
-from streams.bus import send
-from streams.topic_keys import route
+from streams.bus.clients import send
+from streams.bus.topic_keys import route
 
 __all__ = ["BusPublisher"]
 
