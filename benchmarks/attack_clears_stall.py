@@ -80,7 +80,7 @@ async def run(url, *, requests: int) -> dict:
     async with IndexReplica(url, secret=SECRET.encode(), topic=topic, bus_secret=b"") as replica:
         await replica.wait_caught_up()
         blocks = replica.index.stats().blocks
-        service = PlannerService(url, replica, identity_secret=SECRET.encode(), group_id=group)
+        service = PlannerService(url, replica, group_id=group)
         await service.start()
         out = make_consumer(url, client_id="stall-decisions", fetch_max_wait_ms=10)
         await out.start()

@@ -28,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from nexuskv.config import BrokerUrl
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import KV_EVENTS, Topic
 from nexuskv.cost import CostModel

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -16,14 +16,14 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract, Key128
+from nexuskv.contract import Contract, Key128
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKey, IdentityScope
 
 __all__ = ["EntryLocation", "CacheEntry", "QueryKey", "WorkerId"]
 
 WorkerId = Annotated[str, Field(min_length=1, max_length=256)]
-U128 = Key128  # hex in JSON (nexuskv.contracts.base)
+U128 = Key128  # hex in JSON (nexuskv.contract)
 
 
 class EntryLocation(Contract):

@@ -37,7 +37,7 @@ import msgpack
 import numpy as np
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.errors import IdentityError
 
 __all__ = [

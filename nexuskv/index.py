@@ -65,7 +65,7 @@ import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np

@@ -7,6 +7,9 @@ the same bytes per token): Llama-3.1-8B 128 KiB/token, Llama-3.1-70B 320 KiB, Qw
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable
+
 from nexuskv.descriptor import (
     DType,
     Granularity,
@@ -175,3 +178,39 @@ def known_model(name: str, **overrides: object) -> StateDescriptor:
     if kind == "mla":
         return mla_descriptor(model=name, **spec)  # type: ignore[arg-type]
     return gqa_descriptor(model=name, **spec)  # type: ignore[arg-type]
+
+
+class DescriptorRegistry:
+    """Descriptors a process can resolve by id: the known models, and any a request or a record carried
+    (the most recent ``capacity`` of them). One registry for the planner, the tier manager and the
+    router."""
+
+    def __init__(self, descriptors: Iterable[StateDescriptor] = (), *, capacity: int = 4096) -> None:
+        self._known: OrderedDict[str, StateDescriptor] = OrderedDict()
+        self.capacity = capacity
+        for d in descriptors:
+            self.add(d)
+
+    @classmethod
+    def with_known_models(cls) -> DescriptorRegistry:
+        return cls(known_model(name) for name in KNOWN_MODELS)
+
+    def add(self, descriptor: StateDescriptor) -> None:
+        self._known[descriptor.descriptor_id] = descriptor
+        self._known.move_to_end(descriptor.descriptor_id)
+        while len(self._known) > self.capacity:
+            self._known.popitem(last=False)
+
+    def get(self, descriptor_id: str) -> StateDescriptor | None:
+        """The descriptor of ``descriptor_id``, or None when this registry does not know it."""
+        return self._known.get(descriptor_id)
+
+    def resolve(self, descriptor_id: str, carried: StateDescriptor | None = None) -> StateDescriptor | None:
+        """``carried`` (remembered for later) when a record carries its descriptor, else the known one."""
+        if carried is not None:
+            self.add(carried)
+            return carried
+        return self._known.get(descriptor_id)
+
+    def __len__(self) -> int:
+        return len(self._known)

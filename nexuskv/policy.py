@@ -38,7 +38,7 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import Field, field_validator, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 from nexuskv.errors import PolicyError
 

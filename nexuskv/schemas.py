@@ -5,7 +5,7 @@
 ``nexuskv.kv-events`` has two payload versions: ``nexuskv.kv-events.schema.json`` is version 1
 (pydantic), ``nexuskv.kv-events.v2.schema.json`` version 2 (msgspec, pre-keyed; bytes fields are
 msgpack ``bin``, base64 in the JSON form). 128-bit keys are lowercase hex strings in every JSON
-form (:data:`nexuskv.contracts.base.Key128`).
+form (:data:`nexuskv.contract.Key128`).
 A test keeps the committed files equal to what this build exports.
 """
 

@@ -15,7 +15,7 @@ as ``C_pollution`` (the policy's flat default where a worker publishes none).
 
 Deadlines: a ticker abandons transfers whose deadline passed (a superseding recompute decision,
 revision + 1, and a ``cancel`` hint), and turns copies that land late into ``demote`` hints
-(:mod:`nexuskv.prefetch`). The execution policy file is re-read when it changes; a bad edit is
+(:mod:`nexuskv.planner.prefetch`). The execution policy file is re-read when it changes; a bad edit is
 logged field by field and the last valid policy stays in force (a reload never raises: a file
 nested too deeply or cut short is a refused edit like any other).
 
@@ -53,39 +53,26 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts import codec
-from nexuskv.contracts.base import Contract
 from nexuskv.contracts.decisions import Decision
-from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.topics import (
-    DECISIONS,
-    PLACEMENT,
     PLAN_REQUESTS,
     TRANSFER_RESULTS,
-    TRANSFERS,
-    Topic,
 )
-from nexuskv.contracts.transfers import TransferResult
 from nexuskv.cost import CostModel
-from nexuskv.descriptor import StateDescriptor
-from nexuskv.errors import BrokerError, ContractError, NexusKVError
-from nexuskv.identity import BlockKeyer, IdentityScope
+from nexuskv.errors import BrokerError, NexusKVError
 from nexuskv.lookup import IndexView, LookupResult
-from nexuskv.models import KNOWN_MODELS, known_model
-from nexuskv.planner import Plan, PlanQuery, explain, plan
+from nexuskv.models import DescriptorRegistry
+from nexuskv.planner.core import Outgoing, PlannerCore
 from nexuskv.policy import ExecutionPolicy
-from nexuskv.prefetch import Effect, PrefetchFallback, PrefetchScheduler, effect_hint
-from nexuskv.priors import with_assumed_hardware, with_assumed_reads
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import tuning
 from streams.bus.clients import (
@@ -106,61 +93,22 @@ from streams.supervisor import Supervisor, run_service
 from streams.telemetry import decision_attributes, init_service, reason_code
 from streams.tier_prices import TierPriceReplica
 
-__all__ = ["SERVICE", "NullIndexView", "KnownDescriptors", "Outgoing", "PlannerCore", "PlannerService", "main"]
+__all__ = ["SERVICE", "PlannerService", "main"]
 
 SERVICE = "nexuskv-planner"
 log = logging.getLogger(__name__)
 
 
-class NullIndexView:
-    """An index that knows nothing: every lookup is a miss (so every decision is a recompute)."""
-
-    def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
-        return LookupResult(num_blocks=len(keys), matches=())
-
-
-class KnownDescriptors:
-    """Descriptors the planner can resolve by id: the known models, and any a request carried."""
-
-    def __init__(self, descriptors: Iterable[StateDescriptor] = (), *, capacity: int = 4096) -> None:
-        self._known: OrderedDict[str, StateDescriptor] = OrderedDict()
-        self.capacity = capacity
-        for d in descriptors:
-            self.add(d)
-
-    @classmethod
-    def with_known_models(cls) -> KnownDescriptors:
-        return cls(known_model(name) for name in KNOWN_MODELS)
-
-    def add(self, descriptor: StateDescriptor) -> None:
-        self._known[descriptor.descriptor_id] = descriptor
-        self._known.move_to_end(descriptor.descriptor_id)
-        while len(self._known) > self.capacity:
-            self._known.popitem(last=False)
-
-    def resolve(self, request: PlanRequest) -> StateDescriptor | None:
-        if request.descriptor is not None:
-            self.add(request.descriptor)
-            return request.descriptor
-        return self._known.get(request.scope.descriptor_id)
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """One record to publish."""
-
-    topic: Topic
-    key: str
-    value: Contract
-    headers: tuple[tuple[str, bytes], ...] = ()  # the trace context of the request that caused it
-
-
-def plan_records(p: Plan) -> list[Outgoing]:
-    """The records that publish a plan: its decision, hints and transfer commands."""
-    out = [Outgoing(DECISIONS, p.decision.request_id, p.decision)]
-    out.extend(Outgoing(PLACEMENT, f"{h.tenant_namespace}/{h.prefix_root}", h) for h in p.hints)
-    out.extend(Outgoing(TRANSFERS, t.destination.worker, t) for t in p.transfers)
-    return out
+def _traced_match(lookup: Callable[[], LookupResult]) -> LookupResult:
+    """The index match as a span of the request's trace, with what it found."""
+    with tracer(SERVICE).start_as_current_span("index.match") as span:
+        result = lookup()
+        best = result.best_certain_prefix()
+        span.set_attributes({"nexuskv.service": "index-replica", "nexuskv.blocks": result.num_blocks,
+                             "nexuskv.locations": len(result.matches),
+                             "nexuskv.best_prefix_blocks": best.prefix_blocks if best else 0,
+                             "nexuskv.index_lag_events": result.lag_events, "nexuskv.index_lag_ms": result.lag_ms})
+    return result
 
 
 def _record_decisions(span: Any, produced: Iterable[Outgoing]) -> None:
@@ -171,163 +119,12 @@ def _record_decisions(span: Any, produced: Iterable[Outgoing]) -> None:
             METRICS.decisions.labels(o.value.action.value, reason_code(o.value.reason)).inc()
 
 
-def effect_records(effects: Iterable[Effect], *, now: float) -> list[Outgoing]:
-    out: list[Outgoing] = []
-    for e in effects:
-        if isinstance(e, PrefetchFallback):
-            out.append(Outgoing(DECISIONS, e.request_id, e.decision))
-        else:
-            hint = effect_hint(e, now=now)
-            out.append(Outgoing(PLACEMENT, f"{hint.tenant_namespace}/{hint.prefix_root}", hint))
-    return out
-
-
-class DispatchDelays:
-    """How long a transfer command takes to start at its destination, measured (seconds).
-
-    Two measurements: a command's own, ``started_at - issued_at`` from its result (per destination
-    worker: the bus, the executor's queue), and every plan request's trip to this planner
-    (``now - arrival_at``: the same bus, a lower bound for a command's). The estimate for a worker
-    is the larger of its commands' moving mean and the requests'; before its first result, twice
-    the requests' (a trip, then the executor's poll and queue, assumed as long). Without it a deadline is a copy
-    time after the decision, and a command that spends longer on the bus is refused unstarted
-    ("deadline passed before the transfer started").
-    """
-
-    ALPHA = 0.3  # weight of the newest measurement in each moving mean
-    MAX_TRIP_S = 1.0  # a plan request's delay beyond this is a backlog, not the bus's trip time
-    CAPACITY = 4096  # commands awaiting their result
-
-    def __init__(self) -> None:
-        self.bus_s = 0.0
-        self.by_worker: dict[str, float] = {}
-        self._issued: OrderedDict[str, tuple[str, float]] = OrderedDict()
-
-    def request_arrived(self, arrival_at: float, now: float) -> None:
-        delay = now - arrival_at
-        if 0.0 <= delay < self.MAX_TRIP_S:  # longer: a backlog (a planner starting, catching up), not a trip
-            self.bus_s += self.ALPHA * (delay - self.bus_s)
-
-    def issued(self, transfer_id: str, worker: str, issued_at: float) -> None:
-        self._issued[transfer_id] = (worker, issued_at)
-        while len(self._issued) > self.CAPACITY:
-            self._issued.popitem(last=False)
-
-    def started(self, transfer_id: str, started_at: float) -> None:
-        entry = self._issued.pop(transfer_id, None)
-        if entry is None:
-            return
-        worker, issued_at = entry
-        delay = max(0.0, started_at - issued_at)
-        was = self.by_worker.get(worker)
-        self.by_worker[worker] = delay if was is None else was + self.ALPHA * (delay - was)
-
-    def estimates(self, workers: Iterable[str]) -> dict[str, float]:
-        # Before a worker's first command result: a trip over the bus and as long again for the
-        # executor's poll and queue (assumed); after it, what its commands took, never below a trip.
-        return {w: max(self.by_worker[w], self.bus_s) if w in self.by_worker else 2.0 * self.bus_s for w in workers}
-
-
-class PlannerCore:
-    """Everything between bytes in and records out, without I/O; the clock is passed in."""
-
-    def __init__(self, index: IndexView, *, model: Callable[[], CostModel], policy: Callable[[], ExecutionPolicy],
-                 descriptors: KnownDescriptors, identity_secret: bytes = b"", seen_capacity: int = 100_000,
-                 prices: Callable[[], Mapping[str, float]] | None = None) -> None:
-        self.index = index
-        self.model = model
-        self.policy = policy
-        self.prices = prices  # worker -> displacement price of its GPU tier (nexuskv.tier-state)
-        self.descriptors = descriptors
-        self.secret = identity_secret
-        self.scheduler = PrefetchScheduler(policy())
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._seen_capacity = seen_capacity
-        self.planned = 0
-        self.duplicates = 0
-        self._filled: dict[tuple[int, frozenset[str]], tuple[CostModel, CostModel]] = {}
-        self.dispatch = DispatchDelays()
-
-    def query_of(self, request: PlanRequest) -> PlanQuery:
-        """The planner's query; raises ContractError when the request cannot be planned."""
-        descriptor = self.descriptors.resolve(request)
-        if descriptor is None:
-            raise ContractError(f"descriptor {request.scope.descriptor_id} is unknown to this planner: "
-                                "send the descriptor with the request", path="scope.descriptor_id")
-        if descriptor.block_size != request.block_size:
-            raise ContractError(f"block_size {request.block_size} differs from the descriptor's "
-                                f"{descriptor.block_size}", path="block_size")
-        keys = None
-        if request.token_ids is not None:
-            keys = BlockKeyer(request.scope, request.block_size, self.secret).keys(request.token_ids)
-        return PlanQuery.from_request(request, descriptor, keys)
-
-    def plan_request(self, request: PlanRequest, *, now: float) -> Plan:
-        query = self.query_of(request)
-        with tracer(SERVICE).start_as_current_span("index.match") as span:
-            lookup = self.index.lookup(query.scope, query.keys)
-            best = lookup.best_certain_prefix()
-            span.set_attributes({"nexuskv.service": "index-replica", "nexuskv.blocks": lookup.num_blocks,
-                                 "nexuskv.locations": len(lookup.matches),
-                                 "nexuskv.best_prefix_blocks": best.prefix_blocks if best else 0,
-                                 "nexuskv.index_lag_events": lookup.lag_events,
-                                 "nexuskv.index_lag_ms": lookup.lag_ms})
-        policy = self.policy()
-        self.dispatch.request_arrived(request.arrival_at, now)
-        p = plan(query, lookup, self._model_for(query), policy, now=now,
-                 headroom=self.scheduler.headroom(query.scope.tenant_namespace),
-                 pollution_s_per_gib=self.prices() if self.prices is not None else None,
-                 dispatch_s=self.dispatch.estimates(c.worker for c in query.candidates))
-        self.scheduler.track(p, now=now)
-        for t in p.transfers:
-            self.dispatch.issued(t.transfer_id, t.destination.worker, t.issued_at)
-        return p
-
-    def _model_for(self, query: PlanQuery) -> CostModel:
-        """The cost model with assumed constants for hardware profiles only the workers know, and
-        reads assumed from measured writes (:func:`nexuskv.priors.with_assumed_reads`)."""
-        model = self.model()
-        profiles = frozenset(c.profile for c in query.candidates if c.profile)
-        key = (id(model), profiles)
-        hit = self._filled.get(key)
-        if hit is None or hit[0] is not model:
-            if len(self._filled) > 64:
-                self._filled.clear()
-            hit = self._filled[key] = (model, with_assumed_reads(with_assumed_hardware(model, profiles), profiles))
-        return hit[1]
-
-    def on_request(self, raw: bytes, *, now: float) -> list[Outgoing]:
-        """Records for one plan request ([] for a duplicate); raises NexusKVError for bad input."""
-        request = cast(PlanRequest, codec.decode(PLAN_REQUESTS, raw))
-        if request.request_id in self._seen:
-            self.duplicates += 1
-            return []
-        p = self.plan_request(request, now=now)
-        self._seen[request.request_id] = None
-        while len(self._seen) > self._seen_capacity:
-            self._seen.popitem(last=False)
-        self.planned += 1
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", explain(p.decision))
-        return plan_records(p)
-
-    def on_result(self, raw: bytes, *, now: float) -> list[Outgoing]:
-        result = cast(TransferResult, codec.decode(TRANSFER_RESULTS, raw))
-        self.dispatch.started(result.transfer_id, result.started_at)
-        return effect_records(self.scheduler.complete(result, now=now), now=now)
-
-    def on_tick(self, *, now: float) -> list[Outgoing]:
-        effects = self.scheduler.tick(now=now)
-        self.scheduler.forget(before=now - 300.0)
-        return effect_records(effects, now=now)
-
-
 class PlannerService:
     """The planner on the bus: consume, decide, produce, commit."""
 
     def __init__(self, url: BrokerUrl, index: IndexView, *, base_model: CostModel | None = None,
                  policy: ExecutionPolicy | None = None, policy_file: Path | None = None,
-                 descriptors: KnownDescriptors | None = None, identity_secret: bytes = b"",
+                 descriptors: DescriptorRegistry | None = None,
                  clock: Callable[[], float] = time.time, service: str = SERVICE, group_id: str | None = None,
                  policy_reload_s: float = 1.0, tick_s: float = 0.02, commit_s: float = 0.1) -> None:
         self.url = url
@@ -339,8 +136,9 @@ class PlannerService:
         self.replica = CostModelReplica(url, base_model or shipped_cost_model(), service=service, clock=clock)
         self.tier_prices = TierPriceReplica(url, service=service, clock=clock)
         self.core = PlannerCore(index, model=lambda: self.replica.model, policy=lambda: self.policy,
-                                descriptors=descriptors or KnownDescriptors.with_known_models(),
-                                identity_secret=identity_secret, prices=self.tier_prices.prices)
+                                descriptors=descriptors or DescriptorRegistry.with_known_models(),
+                                prices=self.tier_prices.prices)
+        self.core.observe_match = _traced_match
         self.policy_reload_s = policy_reload_s
         self.tick_s = tick_s
         self.commit_s = commit_s
@@ -522,8 +320,7 @@ async def _run(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> None:
                            client_id="nexuskv-planner-index", bus_secret=settings.bus_secret_bytes,
                            expected_blocks=settings.index_expected_blocks)
     await replica.start(timeout_s=settings.broker_start_timeout_s)
-    service = PlannerService(url, replica, policy_file=settings.policy_file,
-                             identity_secret=settings.identity_secret_bytes, policy_reload_s=settings.policy_reload_s)
+    service = PlannerService(url, replica, policy_file=settings.policy_file, policy_reload_s=settings.policy_reload_s)
     try:
         await service.start(timeout_s=settings.broker_start_timeout_s)
         service.watch(replica.task, name="index-replica")

@@ -308,12 +308,12 @@ class TierBus:
 def build(settings: Settings, *, publish: Callable[[KeyedBatch], None],
           model: Callable[[], CostModel] | None = None) -> tuple[TierManager, TransferExecutor]:
     """This worker's tiers under a tier manager, and the executor that copies into them."""
-    from nexuskv.models import KNOWN_MODELS, known_model
+    from nexuskv.models import DescriptorRegistry
     from streams.transfer_executor import catalog_from_settings
 
     catalog = catalog_from_settings(settings)
     policy = EVICTION_POLICIES[settings.tier_policy]()
-    by_id = {d.descriptor_id: d for d in (known_model(name) for name in KNOWN_MODELS)}
+    descriptors = DescriptorRegistry.with_known_models()
     execution = ExecutionPolicy(version="builtin")
     profile = execution.planner.default_hardware_profile
     if model is None:
@@ -322,7 +322,7 @@ def build(settings: Settings, *, publish: Callable[[KeyedBatch], None],
         shipped = shipped_cost_model()
         model = lambda: shipped
     tiers = tuple(b.capabilities.tier for b in catalog.backends if not b.capabilities.shared)
-    gains = cost_model_gains(model, by_id.get, profile=profile, tiers=tiers)
+    gains = cost_model_gains(model, descriptors.get, profile=profile, tiers=tiers)
     facts = TierFacts(settings.worker, publish, include_tokens=settings.kv_event_tokens)
     manager = TierManager(catalog, facts=facts, policy=policy, reuse=ReuseModel(settings.tier_reuse_half_life_s),
                           gains=gains, pin_fraction=settings.tier_pin_fraction, lease_s=settings.tier_lease_s,

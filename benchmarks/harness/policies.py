@@ -14,7 +14,7 @@ workers' reported loads, and — for the engine's own connector — the engine's
   always, the longest prefix its own host and disk or the shared store hold (LMCache's lookup order
   host, disk, remote; KVBM's G2, G3, G4). Neither pulls from a peer's memory.
 * ``nexuskv`` — :func:`nexuskv.planner.plan` on the index's lookup and the believed cost model,
-  budgets from a real :class:`~nexuskv.prefetch.PrefetchScheduler`, the believed model refitted
+  budgets from a real :class:`~nexuskv.planner.prefetch.PrefetchScheduler`, the believed model refitted
   online from the run's prefill and copy observations by the calibration agent's own
   :class:`~streams.calibration_agent.CalibrationWorker` (its cadence, on simulated time).
 * ``oracle`` — :func:`.oracle.best_path`: true costs, true state; its decision time is not counted.
@@ -44,8 +44,8 @@ from nexuskv.contracts.transfers import TransferResult, TransferStatus
 from nexuskv.cost import CostModel, LinearCost
 from nexuskv.descriptor import Tier
 from nexuskv.planner import Plan, PlanQuery, plan
+from nexuskv.planner.prefetch import PrefetchFallback, PrefetchScheduler
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
-from nexuskv.prefetch import PrefetchFallback, PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
 from nexuskv.routing_policies import DynamoCost, LlmdScheduler
 from streams.calibration_agent import CalibrationWorker

@@ -1,6 +1,6 @@
 """Wire contracts of every NexusKV topic (DESIGN.md, "Topics"), versioned and validated.
 
-:mod:`nexuskv.contracts.base` is the base of every contract (frozen, strict, validated); one module
+:mod:`nexuskv.contract` is the base of every contract (frozen, strict, validated); one module
 per topic payload; :mod:`nexuskv.contracts.topics` binds them to topic names and encodings;
 :mod:`nexuskv.contracts.codec` turns them into bytes and back.
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import pydantic
 
-from nexuskv.contracts.base import Contract, contract_error
+from nexuskv.contract import Contract, contract_error
 from nexuskv.contracts.keyed_events import (
     KEYED_SCHEMA_VERSION,
     KeyedBatch,

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
 __all__ = ["SCHEMA_VERSION", "ComputeFit", "LinkFit", "CostModelEntry"]

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 
 __all__ = ["SCHEMA_VERSION", "MAX_PAYLOAD", "DeadLetter"]
 

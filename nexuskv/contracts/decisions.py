@@ -26,7 +26,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.entries import EntryLocation
 
 __all__ = ["SCHEMA_VERSION", "Action", "CostTerms", "Alternative", "Decision"]

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
 __all__ = [

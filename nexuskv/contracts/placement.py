@@ -37,7 +37,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract, Key128
+from nexuskv.contract import Contract, Key128
 from nexuskv.descriptor import Tier
 
 __all__ = ["SCHEMA_VERSION", "HintKind", "PlacementHint"]

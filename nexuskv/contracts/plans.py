@@ -1,10 +1,14 @@
 """``nexuskv.plan-requests``: describe-and-match requests at admission.
 
 Keyed by request id. A request names its identity scope (which fixes the descriptor), its
-canonical block keys (or its token ids, when the caller leaves key computation to NexusKV),
-when it arrived, its deadline or TTFT SLO, and the candidate workers with their current load.
-It may carry its State Descriptor; without one the planner resolves ``scope.descriptor_id``
-among the descriptors it knows (the known models). Token ids are never logged.
+canonical block keys, when it arrived, its deadline or TTFT SLO, and the candidate workers with
+their current load. It may carry its State Descriptor; without one the planner resolves
+``scope.descriptor_id`` among the descriptors it knows (the known models).
+
+Keys are computed once, at the edge that knows the scope and the identity secret (the router,
+the engine's connector: :class:`nexuskv.identity.BlockKeyer`); token ids never travel in a plan
+request. Version 2 dropped version 1's ``token_ids`` alternative (the planner re-keyed them): a
+version 1 request that carries token ids is refused, naming the field.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract, Key128
+from nexuskv.contract import Contract, Key128
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.identity import IdentityScope
 
 __all__ = ["SCHEMA_VERSION", "WorkerLoad", "PlanRequest"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 Text = Annotated[str, Field(min_length=1, max_length=512)]
 Count = Annotated[int, Field(ge=0)]
 
@@ -45,13 +49,12 @@ class WorkerLoad(Contract):
 
 
 class PlanRequest(Contract):
-    schema_version: Annotated[int, Field(ge=1, le=1)] = SCHEMA_VERSION
+    schema_version: Annotated[int, Field(ge=1, le=2)] = SCHEMA_VERSION
     request_id: Text
     scope: IdentityScope
     block_size: Annotated[int, Field(ge=1, le=1 << 16)]
     prompt_tokens: Count
-    keys: tuple[Key128, ...] | None = Field(default=None, max_length=1 << 20)
-    token_ids: tuple[Annotated[int, Field(ge=0, lt=2**32)], ...] | None = Field(default=None, max_length=1 << 22)
+    keys: tuple[Key128, ...] = Field(max_length=1 << 20)
     arrival_at: Annotated[float, Field(ge=0)]  # seconds since the epoch
     deadline_at: Annotated[float, Field(ge=0)] | None = None  # latest useful start of decode
     slo_ttft_s: Annotated[float, Field(gt=0)] | None = None
@@ -61,15 +64,19 @@ class PlanRequest(Contract):
     descriptor: StateDescriptor | None = None  # the state the request needs; else looked up by id
     trace_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_ids(cls, data: object) -> object:
+        if isinstance(data, dict) and "token_ids" in data:
+            raise ValueError("token_ids: a plan request carries the canonical keys of its blocks, computed at the edge "
+                             "(nexuskv.identity.BlockKeyer); version 1's token_ids alternative is no longer read")
+        return data
+
     @model_validator(mode="after")
-    def _keys_or_tokens(self) -> PlanRequest:
-        if (self.keys is None) == (self.token_ids is None):
-            raise ValueError("keys: give exactly one of keys or token_ids")
+    def _keys_fit(self) -> PlanRequest:
         full = self.prompt_tokens // self.block_size
-        if self.keys is not None and len(self.keys) != full:
+        if len(self.keys) != full:
             raise ValueError(f"keys: {len(self.keys)} keys for {full} full blocks of prompt_tokens")
-        if self.token_ids is not None and len(self.token_ids) != self.prompt_tokens:
-            raise ValueError("token_ids: length must equal prompt_tokens")
         if self.descriptor is not None:
             if self.descriptor.descriptor_id != self.scope.descriptor_id:
                 raise ValueError("descriptor: its descriptor_id differs from scope.descriptor_id")

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
 __all__ = ["SCHEMA_VERSION", "TierStateRecord"]

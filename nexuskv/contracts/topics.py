@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.contracts.cost_models import CostModelEntry
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Decision
@@ -73,6 +73,7 @@ OBSERVATIONS = Topic(
 )
 PLAN_REQUESTS = Topic(
     "nexuskv.plan-requests", "request id", PlanRequest, "json", "describe-and-match requests at admission",
+    versions=(1, 2),  # 1 with keys only (its token_ids alternative is refused): keys come from the edge
 )
 DECISIONS = Topic("nexuskv.decisions", "request id", Decision, "json", "decision records")
 PLACEMENT = Topic(

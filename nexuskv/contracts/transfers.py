@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from nexuskv.contracts.base import Contract, Key128
+from nexuskv.contract import Contract, Key128
 from nexuskv.entries import EntryLocation
 
 __all__ = ["SCHEMA_VERSION", "TransferKind", "TransferStatus", "TransferCommand", "TransferResult"]

@@ -49,8 +49,9 @@ budget), :mod:`~nexuskv.planner.sources` (the descriptor's shape, usable sources
 Decision, hints, transfers and fallback records).
 """
 
-from nexuskv.planner.decide import Plan, plan
+from nexuskv.planner.decide import plan
 from nexuskv.planner.options import Option
+from nexuskv.planner.plan import Plan
 from nexuskv.planner.query import Headroom, PlanQuery
 from nexuskv.planner.records import explain, fallback_decision
 

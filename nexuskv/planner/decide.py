@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from nexuskv.contracts.decisions import Action, Decision
-from nexuskv.contracts.placement import PlacementHint
-from nexuskv.contracts.transfers import TransferCommand
+from nexuskv.contracts.decisions import Action
 from nexuskv.cost import CostModel, LinkCost, compose_links
 from nexuskv.descriptor import Tier
 from nexuskv.lookup import LookupResult
@@ -22,70 +19,16 @@ from nexuskv.planner.options import (
     Request,
     ReuseInPlace,
 )
+from nexuskv.planner.plan import Plan
 from nexuskv.planner.query import Headroom, PlanQuery
-from nexuskv.planner.records import actions_of, decision_of
 from nexuskv.planner.sources import Source, shape_of, usable_sources
 from nexuskv.policy import ExecutionPolicy
 
-__all__ = ["Plan", "plan"]
+__all__ = ["plan"]
 
 # Module constants: an enum member read through its class costs a descriptor call per use.
 _GPU, _HOST, _DISK, _REMOTE, _OBJECT = Tier.GPU, Tier.HOST, Tier.DISK, Tier.REMOTE, Tier.OBJECT
 _RECOMPUTE, _TRANSFER, _FULL_REUSE = Action.RECOMPUTE, Action.TRANSFER, Action.FULL_REUSE
-
-
-@dataclass(slots=True, eq=False)
-class Plan:
-    """What the planner decided, every option with its numbers, and the records that carry it out.
-
-    Deciding builds only this value (cheap); its fields are never reassigned. :attr:`decision`,
-    :attr:`hints` and :attr:`transfers` are the wire contracts derived from it, built on first use
-    and kept (a pydantic Decision with its alternatives costs several times the decision itself:
-    ``benchmarks/README.md``, ``planner_decision_inprocess_p99``) — which is why a Plan is not a
-    frozen dataclass. Equal inputs give equal plans and equal records.
-    """
-
-    query: PlanQuery
-    options: tuple[Option, ...]
-    chosen: Option
-    baseline_worker: str | None  # None when no candidate could be estimated
-    t_compute_s: float
-    decided_at: float
-    index_lag_events: int
-    index_lag_ms: float
-    policy_version: str
-    cost_model_version: str
-    max_alternatives: int
-    min_gain_s: float
-    _decision: Decision | None = None
-    _carried_out: tuple[tuple[PlacementHint, ...], tuple[TransferCommand, ...]] | None = None
-
-    @property
-    def action(self) -> Action:
-        return self.chosen.action
-
-    @property
-    def worker(self) -> str:
-        return self.chosen.worker
-
-    @property
-    def decision(self) -> Decision:
-        if self._decision is None:
-            self._decision = decision_of(self)
-        return self._decision
-
-    def _records(self) -> tuple[tuple[PlacementHint, ...], tuple[TransferCommand, ...]]:
-        if self._carried_out is None:
-            self._carried_out = actions_of(self.query, self.decision, self.chosen, self.decided_at)
-        return self._carried_out
-
-    @property
-    def hints(self) -> tuple[PlacementHint, ...]:
-        return self._records()[0]
-
-    @property
-    def transfers(self) -> tuple[TransferCommand, ...]:
-        return self._records()[1]
 
 
 # Resolved links per (cost-model snapshot, profile): a bounded memo of a pure function, keyed by the

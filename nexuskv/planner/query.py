@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
@@ -15,7 +14,7 @@ __all__ = ["Headroom", "PlanQuery"]
 
 @dataclass(frozen=True, slots=True)
 class Headroom:
-    """Budget left for planned movement (from :class:`~nexuskv.prefetch.PrefetchScheduler`).
+    """Budget left for planned movement (from :class:`~nexuskv.planner.prefetch.PrefetchScheduler`).
 
     ``None`` for a tenant field means the tenant has no quota of its own on that resource.
     """
@@ -74,13 +73,9 @@ class PlanQuery:
             raise ValueError("candidates: at least one worker")
 
     @classmethod
-    def from_request(cls, request: PlanRequest, descriptor: StateDescriptor,
-                     keys: Sequence[int] | None = None) -> PlanQuery:
-        """The query of a plan request; ``keys`` when the request carried token ids instead."""
-        chosen = request.keys if request.keys is not None else keys
-        if chosen is None:
-            raise ValueError("keys: the request carries token ids; compute its keys first")
-        return cls(request_id=request.request_id, scope=request.scope, descriptor=descriptor, keys=tuple(chosen),
+    def from_request(cls, request: PlanRequest, descriptor: StateDescriptor) -> PlanQuery:
+        """The query of a plan request."""
+        return cls(request_id=request.request_id, scope=request.scope, descriptor=descriptor, keys=request.keys,
                    prompt_tokens=request.prompt_tokens, arrival_at=request.arrival_at,
                    candidates=tuple(sorted(request.candidates, key=lambda c: c.worker)),
                    deadline_at=request.deadline_at, slo_ttft_s=request.slo_ttft_s, workload=request.workload,

@@ -1,6 +1,7 @@
-"""The wire records of a plan: the Decision (every option with its numbers and why it lost), the
-placement hints and transfer commands that carry it out, the fallback that supersedes it, and
-:func:`explain`, the decision as one log line of formula plus numbers.
+"""The wire records of a plan's options: each option as a Decision's alternative (its numbers and why
+it lost), the placement hints and transfer commands that carry a decision out, the fallback that
+supersedes it, and :func:`explain`, the decision as one log line of formula plus numbers (the
+Decision itself is built by :class:`nexuskv.planner.plan.Plan`).
 
 Identifiers of hints and transfers derive from the request id, so the same inputs give the same
 records, byte for byte.
@@ -8,31 +9,26 @@ records, byte for byte.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from nexuskv.contracts.decisions import Action, Alternative, CostTerms, Decision
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.transfers import TransferCommand, TransferKind
 from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.planner.gate import gate_reason, rank
+from nexuskv.planner.gate import gate_reason
 from nexuskv.planner.options import Option
 from nexuskv.planner.query import PlanQuery
 from nexuskv.planner.sources import block_groups
 
-if TYPE_CHECKING:
-    from nexuskv.planner.decide import Plan
-
-__all__ = ["decision_of", "actions_of", "fallback_decision", "explain"]
+__all__ = ["actions_of", "alternative_of", "explain", "fallback_decision", "locations_of", "terms_of"]
 
 
-def _terms(o: Option) -> CostTerms:
+def terms_of(o: Option) -> CostTerms:
     t = o.terms
     return CostTerms(lookup_s=t.lookup_s, queue_s=t.queue_s, transfer_s=t.transfer_s, overlap_s=t.overlap_s,
                      restore_s=t.restore_s, sync_s=t.sync_s, interference_s=t.interference_s, total_s=t.total_s)
 
 
-def _locations(opt: Option, group: int) -> tuple[EntryLocation | None, EntryLocation | None]:
+def locations_of(opt: Option, group: int) -> tuple[EntryLocation | None, EntryLocation | None]:
     if opt.source is None:
         return None, None
     src = EntryLocation(worker=opt.source.worker, tier=opt.source.tier, group=group)
@@ -41,69 +37,15 @@ def _locations(opt: Option, group: int) -> tuple[EntryLocation | None, EntryLoca
     return src, None
 
 
-def _alternative(opt: Option, chosen: Option, t_base: float, bs: int, group: int, min_gain: float) -> Alternative:
-    src, dst = _locations(opt, group)
+def alternative_of(opt: Option, chosen: Option, t_base: float, bs: int, group: int, min_gain: float) -> Alternative:
+    src, dst = locations_of(opt, group)
     is_chosen = opt is chosen
     return Alternative(
         action=opt.action, worker=opt.worker, source=src, destination=dst, backend=opt.backend,
         reused_tokens=opt.reused_blocks * bs, reused_blocks=opt.reused_blocks, t_compute_s=t_base,
-        t_tail_s=opt.tail_s, t_with_reuse_s=opt.ttft_s, terms=_terms(opt), eg_s=opt.eg_s,
+        t_tail_s=opt.tail_s, t_with_reuse_s=opt.ttft_s, terms=terms_of(opt), eg_s=opt.eg_s,
         eg_std_s=opt.eg_std_s, eg_lower_s=opt.eg_lower_s, p_use=opt.p_use, deadline_at=opt.deadline_at,
         chosen=is_chosen, rejected_reason=None if is_chosen else gate_reason(opt, chosen, min_gain),
-    )
-
-
-def _reason(p: Plan) -> str:
-    chosen, t_base, min_gain = p.chosen, p.t_compute_s, p.min_gain_s
-    if p.baseline_worker is None:
-        return (f"recompute on {chosen.worker} (the least loaded candidate): {chosen.rejected}; reuse cannot be "
-                "shown to pay")
-    if chosen.action is Action.RECOMPUTE:
-        costed = [o for o in p.options if o.action is not Action.RECOMPUTE and o.eg_s is not None]
-        if not costed:
-            ruled = [o for o in p.options if o.action is not Action.RECOMPUTE]
-            why = f"; {ruled[0].rejected}" if ruled else ""
-            return f"recompute on {p.baseline_worker}: no compatible, certain state to reuse{why}"
-        best = min(costed, key=rank)
-        return (f"recompute on {p.baseline_worker}: T_compute {t_base:.4f}s; best reuse option "
-                f"{best.action.value} on {best.worker} has EG {best.eg_s:.4f}s (lower {best.eg_lower_s:.4f}s): "
-                f"{gate_reason(best, chosen, min_gain)}")
-    t = chosen.terms
-    src = f" from {chosen.source.worker}/{chosen.source.tier.value}" if chosen.source else ""
-    core = (f"{chosen.action.value} on {chosen.worker}{src}: EG {chosen.eg_s:.4f}s = T_compute {t_base:.4f}s "
-            f"(recompute on {p.baseline_worker}) - [T_cache {t.total_s:.4f}s (lookup {t.lookup_s:.4f} + queue "
-            f"{t.queue_s:.4f} + max(0, transfer {t.transfer_s:.4f} - overlap {t.overlap_s:.4f}) + restore "
-            f"{t.restore_s:.4f} + sync {t.sync_s:.4f} + interference {t.interference_s:.4f}) + tail "
-            f"{chosen.tail_s:.4f}s]")
-    if chosen.p_use is not None:
-        core += f"; prefetch: P_use {chosen.p_use:.3f}, E[G] = P_use*G - (1-P_use)*(transfer+pollution+interference)"
-    return core + f"; lower bound {chosen.eg_lower_s:.4f}s > {min_gain}s"
-
-
-def decision_of(p: Plan) -> Decision:
-    """The Decision record of a plan: the choice, its terms and the best ``max_alternatives`` options."""
-    query, chosen = p.query, p.chosen
-    d = query.descriptor
-    bs = d.block_size
-    group = d.layer_groups[0].kv_group
-    ranked = sorted(p.options, key=lambda o: (o is not chosen, o.rejected is not None, rank(o)))
-    alternatives = tuple(_alternative(o, chosen, p.t_compute_s, bs, group, p.min_gain_s)
-                         for o in ranked[: p.max_alternatives])
-    src, dst = _locations(chosen, group)
-    estimated = p.baseline_worker is not None
-    return Decision(
-        request_id=query.request_id, tenant_namespace=query.scope.tenant_namespace, decided_at=p.decided_at,
-        action=chosen.action, worker=chosen.worker, baseline_worker=p.baseline_worker, source=src, destination=dst,
-        backend=chosen.backend, prompt_tokens=query.prompt_tokens, reused_tokens=chosen.reused_blocks * bs,
-        reused_blocks=chosen.reused_blocks, deadline_at=chosen.deadline_at, t_compute_s=p.t_compute_s,
-        t_tail_s=chosen.tail_s if estimated and chosen.tail_s is not None else 0.0,
-        t_with_reuse_s=chosen.ttft_s if estimated and chosen.ttft_s is not None else p.t_compute_s,
-        terms=_terms(chosen) if estimated else CostTerms(), eg_s=chosen.eg_s if estimated and chosen.eg_s else 0.0,
-        eg_std_s=chosen.eg_std_s, eg_lower_s=chosen.eg_lower_s if estimated and chosen.eg_lower_s else 0.0,
-        p_use=chosen.p_use, reason=_reason(p), alternatives=alternatives, alternatives_total=len(p.options),
-        policy_version=p.policy_version, cost_model_version=p.cost_model_version,
-        index_lag_events=p.index_lag_events, index_lag_ms=p.index_lag_ms, workload=query.workload,
-        trace_id=query.trace_id,
     )
 
 

@@ -37,7 +37,7 @@ __all__ = ["TansuBroker", "ApacheKafkaBroker", "open_bus", "check_reachable", "K
 log = logging.getLogger(__name__)
 
 KAFKA_VERSION = "4.2.0"
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 POM = _REPO / "infra" / "kafka" / "pom.xml"
 LOG4J_CONFIG = _REPO / "infra" / "kafka" / "log4j2.properties"
 

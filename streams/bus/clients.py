@@ -29,8 +29,8 @@ from aiokafka.errors import KafkaError, KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contract import Contract
 from nexuskv.contracts import codec, kv_signature
-from nexuskv.contracts.base import Contract
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from nexuskv.contracts.base import Contract
+from nexuskv.contract import Contract
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation

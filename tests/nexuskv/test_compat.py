@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from nexuskv.compat import (
     Compatibility,
     Conversion,

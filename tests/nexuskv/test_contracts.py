@@ -50,8 +50,6 @@ def samples():
     plan = PlanRequest(request_id="r1", scope=scope(), block_size=4, prompt_tokens=9, keys=(1, 2**127),
                        arrival_at=10.0, slo_ttft_s=0.5, candidates=(WorkerLoad(worker="w-a"), WorkerLoad(worker="w-b",
                        queued_prefill_tokens=100)))
-    plan_tokens = PlanRequest(request_id="r2", scope=scope(), block_size=4, prompt_tokens=3, token_ids=(1, 2, 3),
-                              arrival_at=10.0, candidates=(WorkerLoad(worker="w-a"),))
     plan_described = PlanRequest(request_id="r3", scope=scope(), block_size=4, prompt_tokens=8, keys=(5, 6),
                                  arrival_at=1.0, candidates=(WorkerLoad(worker="w-a", profile="h200x1-rdma4x200"),),
                                  descriptor=descriptor(tenant_namespace="tenant-a"), trace_id="00-ab-cd-01")
@@ -98,7 +96,7 @@ def samples():
                             capacity_bytes=1 << 28, used_bytes=1 << 27, reserved_bytes=4096, pinned_bytes=8192,
                             in_flight_bytes=4096, blocks=12, unannounced_blocks=2, price_s_per_gib=float("inf"),
                             price_bytes=1 << 22, counters={"demoted": 3}, published_at=4.0)
-    return [batch, tiered, *obs, plan, plan_tokens, plan_described, decision, hint, cancel, pin, cmd, ok, late, fit_c,
+    return [batch, tiered, *obs, plan, plan_described, decision, hint, cancel, pin, cmd, ok, late, fit_c,
             fit_l, state, dead]
 
 

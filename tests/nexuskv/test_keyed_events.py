@@ -8,8 +8,8 @@ import msgpack
 import msgspec
 import pytest
 
+from nexuskv.contract import Contract, Key128
 from nexuskv.contracts import codec
-from nexuskv.contracts.base import Contract, Key128
 from nexuskv.contracts.keyed_events import (
     Cleared,
     KeyedBatch,

@@ -13,8 +13,7 @@ from nexuskv.contracts.transfers import TransferResult
 from nexuskv.descriptor import Granularity, LayerGroup, StateDescriptor, TensorSpec, Tier
 from nexuskv.models import known_model
 from nexuskv.planner import plan
-from nexuskv.policy import ExecutionPolicy, parse_policy
-from nexuskv.prefetch import (
+from nexuskv.planner.prefetch import (
     Cancel,
     Demote,
     Evict,
@@ -24,6 +23,7 @@ from nexuskv.prefetch import (
     Unpin,
     effect_hint,
 )
+from nexuskv.policy import ExecutionPolicy, parse_policy
 from nexuskv.profiles import shipped_cost_model
 
 from tests.planning import NOW, lookup, match, query

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from aiokafka import TopicPartition
 
+from nexuskv.planner.core import NullIndexView
 from nexuskv.policy import POLICY_END_MARKER
 from streams.bus.clients import make_consumer
 from streams.bus.topics import ensure_topics
-from streams.planner_service import NullIndexView, PlannerService
+from streams.planner_service import PlannerService
 from streams.supervisor import ServiceFailed
 
 pytestmark = pytest.mark.broker

@@ -22,15 +22,17 @@ from nexuskv.contracts.topics import DEAD_LETTER, DECISIONS, PLACEMENT, PLAN_REQ
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
-from nexuskv.models import known_model
+from nexuskv.models import DescriptorRegistry, known_model
 from nexuskv.planner import PlanQuery, plan
+from nexuskv.planner.core import plan_records
+from nexuskv.planner.dispatch import DispatchDelays
+from nexuskv.planner.prefetch import PrefetchScheduler
 from nexuskv.policy import ExecutionPolicy
-from nexuskv.prefetch import PrefetchScheduler
 from nexuskv.profiles import shipped_cost_model
 from streams.bus.broker import TansuBroker
 from streams.bus.clients import make_consumer, make_producer
 from streams.bus.topics import ensure_topics
-from streams.planner_service import DispatchDelays, KnownDescriptors, PlannerService, plan_records
+from streams.planner_service import PlannerService
 
 from tests.factories import descriptor as tiny_descriptor
 from tests.planning import NOW, KeyIndex
@@ -71,8 +73,9 @@ def _scenario():
                     candidates=(_w("w-b", queued_prefill_tokens=50_000),)),
         PlanRequest(request_id="r-miss", scope=SCOPE, block_size=16, prompt_tokens=4096, keys=_keys(4096, 4),
                     arrival_at=NOW, candidates=(_w("w-a"), _w("w-b", decode_blocks=9000))),
-        PlanRequest(request_id="r-tokens", scope=SCOPE, block_size=16, prompt_tokens=4096,
-                    token_ids=tuple(_tokens(4096, 5)), arrival_at=NOW, candidates=(_w("w-a"),), workload="chat"),
+        PlanRequest(request_id="r-chat", scope=SCOPE, block_size=16, prompt_tokens=4096,
+                    keys=tuple(BlockKeyer(SCOPE, 16, SECRET).keys(_tokens(4096, 5))), arrival_at=NOW,
+                    candidates=(_w("w-a"),), workload="chat"),
         PlanRequest(request_id="r-inline", scope=IdentityScope.of(tiny), block_size=4, prompt_tokens=64,
                     keys=tuple(BlockKeyer(IdentityScope.of(tiny), 4, SECRET).keys(range(64))), arrival_at=NOW,
                     candidates=(_w("w-a"),), descriptor=tiny),
@@ -82,13 +85,12 @@ def _scenario():
 
 def _expected(index, requests, model, policy):
     """What the pure planner says on the same inputs, replaying budgets in the same order."""
-    registry = KnownDescriptors.with_known_models()
+    registry = DescriptorRegistry.with_known_models()
     mirror = PrefetchScheduler(policy)
     records = []
     for req in requests:
-        d = registry.resolve(req)
-        keys = None if req.token_ids is None else BlockKeyer(req.scope, req.block_size, SECRET).keys(req.token_ids)
-        q = PlanQuery.from_request(req, d, keys)
+        d = registry.resolve(req.scope.descriptor_id, req.descriptor)
+        q = PlanQuery.from_request(req, d)
         p = plan(q, index.lookup(q.scope, q.keys), model, policy, now=NOW,
                  headroom=mirror.headroom(q.scope.tenant_namespace))
         mirror.track(p, now=NOW)
@@ -146,7 +148,7 @@ async def test_plan_requests_through_the_embedded_broker_match_the_pure_planner(
     index, requests = _scenario()
     model, policy = shipped_cost_model(), ExecutionPolicy(version="bus-test")
     clock = [NOW]
-    service = PlannerService(tansu_url, index, base_model=model, policy=policy, identity_secret=SECRET,
+    service = PlannerService(tansu_url, index, base_model=model, policy=policy,
                              clock=lambda: clock[0], group_id=f"planner-test-{uuid.uuid4().hex[:6]}")
     await service.start()
     try:
@@ -175,7 +177,7 @@ async def test_plan_requests_through_the_embedded_broker_match_the_pure_planner(
             assert got.transfers == want_transfers
             actions = {rid: d.action for (rid, _rev), d in got.decisions.items()}
             assert actions == {"r-full": Action.FULL_REUSE, "r-far": Action.TRANSFER, "r-pre": Action.PREFETCH,
-                               "r-miss": Action.RECOMPUTE, "r-tokens": Action.FULL_REUSE, "r-inline": Action.RECOMPUTE}
+                               "r-miss": Action.RECOMPUTE, "r-chat": Action.FULL_REUSE, "r-inline": Action.RECOMPUTE}
             reasons = sorted(d.reason for d in got.dead)
             assert any("undecodable" in r for r in reasons) and any("unknown to this planner" in r for r in reasons)
             assert {d.service for d in got.dead} == {"nexuskv-planner"}

@@ -74,7 +74,7 @@ async def test_a_batch_of_65536_clears_holds_neither_the_replica_nor_the_planner
     await _group_at_end(kafka_url, group, (PLAN_REQUESTS.name, TRANSFER_RESULTS.name))
     async with IndexReplica(kafka_url, secret=SECRET.encode(), topic=topic) as replica:
         await replica.wait_caught_up()
-        service = PlannerService(kafka_url, replica, identity_secret=SECRET.encode(), group_id=group)
+        service = PlannerService(kafka_url, replica, group_id=group)
         await service.start()
         decisions = make_consumer(kafka_url, client_id="stall-decisions", fetch_max_wait_ms=10)
         await decisions.start()

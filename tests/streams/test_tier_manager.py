@@ -36,12 +36,12 @@ from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.index import GlobalIndex
-from nexuskv.models import known_model
+from nexuskv.models import DescriptorRegistry, known_model
+from nexuskv.planner.core import PlannerCore
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus.clients import decode_record, make_consumer, make_producer, send
 from streams.bus.topics import ensure_topics
-from streams.planner_service import KnownDescriptors, PlannerCore
 from streams.tier_manager import TierBus, build, handle_hint
 from streams.tier_prices import TierPriceReplica
 from streams.transfer_executor import TransferService
@@ -151,7 +151,7 @@ def test_the_planner_charges_the_price_a_tier_manager_published():
     index.store(scope, "w-b", Tier.HOST, keys)
     replica = TierPriceReplica(None, service="test")  # type: ignore[arg-type]
     core = PlannerCore(index, model=shipped_cost_model, policy=lambda: ExecutionPolicy(version="t"),
-                       descriptors=KnownDescriptors([llama]), prices=replica.prices)
+                       descriptors=DescriptorRegistry([llama]), prices=replica.prices)
 
     def decide(rid: str):
         req = PlanRequest(request_id=rid, scope=scope, block_size=16, prompt_tokens=8192, keys=keys,

@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Callable
 
 from nexuskv.config import BrokerUrl
+from nexuskv.contract import Contract
 from nexuskv.contracts import codec
-from nexuskv.contracts.base import Contract
 from nexuskv.contracts.topics import Topic
 from nexuskv.errors import ContractError
 

@@ -38,7 +38,9 @@ from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.transfers import TransferCommand, TransferKind, TransferResult, TransferStatus
 from nexuskv.descriptor import Tier
-from nexuskv.planner import Headroom, Plan, fallback_decision
+from nexuskv.planner.plan import Plan
+from nexuskv.planner.query import Headroom
+from nexuskv.planner.records import fallback_decision
 from nexuskv.policy import ExecutionPolicy
 
 __all__ = ["TicketState", "Ticket", "Cancel", "Demote", "Evict", "Unpin", "PrefetchFallback", "Effect",
