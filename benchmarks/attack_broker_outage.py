@@ -37,7 +37,7 @@ from streams.bus.process import ManagedProcess, wait_for_kafka
 from streams.bus.topics import ensure_topics
 
 from benchmarks._attack import ROOT, SECRET, encoded, end_offsets, names, replay, topics, wait_checkpointed, worker
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 SCOPE = IdentityScope.of(known_model("meta-llama/Llama-3.1-8B", tenant_namespace="acme"))
 
@@ -161,9 +161,7 @@ def main() -> None:
           f"undecided; first decision {out['first_decision_after_restart_s']} s after the restart; "
           f"alive afterwards: {out['services_alive_after']}")
     if not args.no_write:
-        write_result("reliability_broker_outage", "plan requests accepted but never decided across a broker outage",
-                     "requests", out["undecided"], "every accepted request decided", 0,
-                     f"python -m benchmarks.attack_broker_outage --outage {args.outage:g} --before {args.before:g} "
+        write_result("reliability_broker_outage", "plan requests accepted but never decided across a broker outage", "requests", [Run(out["undecided"], 0)], "every accepted request decided", f"python -m benchmarks.attack_broker_outage --outage {args.outage:g} --before {args.before:g} "
                      f"--after {args.after:g}", details=out)
 
 

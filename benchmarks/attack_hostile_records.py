@@ -45,7 +45,7 @@ from benchmarks._attack import (
     worker,
 )
 from benchmarks._attack_broker import attack_broker
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 BUS = "hostile-records-bus-secret"
 KINDS = ("truncated", "wrong type", "unknown tag", "oversized", "schema version", "spoofed clear",
@@ -185,11 +185,8 @@ def main() -> None:
         baseline = ("commit 30ffd34, the same --malformed-only run (one awaited send per dead letter)"
                     if args.malformed_only else
                     "none: commit 30ffd34 checks no signature, partition or key (compare --malformed-only)")
-        write_result(name, f"seconds to dead-letter {args.records} hostile kv-events records", "s", out["seconds"],
-                     baseline, args.baseline_seconds if args.malformed_only else 0.0,
-                     "python -m benchmarks.attack_hostile_records --records "
-                     f"{args.records} --runs {args.runs}{' --malformed-only' if args.malformed_only else ''}",
-                     details=out)
+        write_result(name, f"seconds to dead-letter {args.records} hostile kv-events records", "s", [Run(out["seconds"], args.baseline_seconds if args.malformed_only else 0.0)], baseline, "python -m benchmarks.attack_hostile_records --records "
+                     f"{args.records} --runs {args.runs}{' --malformed-only' if args.malformed_only else ''}", details=out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from benchmarks._attack import (
     worker,
 )
 from benchmarks._attack_broker import attack_broker
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 
 async def run(url, *, kills: int, requests: int, seed: int, folder: Path) -> dict:
@@ -107,9 +107,7 @@ def main() -> None:
           f"(replica: {out['replica_lost']}, {out['replica_phantom']}); recovery median {out['recovery_median_s']} s, "
           f"worst {out['recovery_max_s']} s")
     if not args.no_write:
-        write_result("reliability_index_kills", "memberships lost + phantom after SIGKILLs of the index worker",
-                     "memberships", out["lost"] + out["phantom"], "reference index (no kill)", 0,
-                     f"python -m benchmarks.attack_index_kills --kills {args.kills} --requests {args.requests} "
+        write_result("reliability_index_kills", "memberships lost + phantom after SIGKILLs of the index worker", "memberships", [Run(out["lost"] + out["phantom"], 0)], "reference index (no kill)", f"python -m benchmarks.attack_index_kills --kills {args.kills} --requests {args.requests} "
                      f"--seed {args.seed}", details=out)
 
 

@@ -42,7 +42,7 @@ from streams.bus.topics import ensure_topics
 
 from benchmarks._attack import ROOT, encoded, produce, replay
 from benchmarks._attack_broker import attack_broker
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 IDENTITY_SECRET = "lookup-api-identity-secret"  # two tenants: at least 16 bytes, or the endpoint refuses to start
 TOKENS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcd"}
@@ -184,10 +184,7 @@ def main() -> None:
     if not args.no_write:
         if args.baseline_rss_mib is not None:
             out["baseline_rss_growth_mib"] = args.baseline_rss_mib
-        write_result("reliability_lookup_api", "lookup API answers >= 500 to hostile bodies", "answers",
-                     out["answers_5xx"], "commit 30ffd34, the same run", args.baseline_5xx,
-                     f"python -m benchmarks.attack_lookup_api --fuzz {args.fuzz} --block-sizes {args.block_sizes}",
-                     details=out)
+        write_result("reliability_lookup_api", "lookup API answers >= 500 to hostile bodies", "answers", [Run(out["answers_5xx"], args.baseline_5xx)], "commit 30ffd34, the same run", f"python -m benchmarks.attack_lookup_api --fuzz {args.fuzz} --block-sizes {args.block_sizes}", details=out)
 
 
 if __name__ == "__main__":

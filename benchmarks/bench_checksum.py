@@ -20,7 +20,7 @@ import numpy as np
 
 from nexuskv.dataplane.payload import PayloadKey, payload_checksum
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 
 def _rate(fn, buffers) -> float:
@@ -53,12 +53,7 @@ def main() -> None:
         print(f"{m:<30}{v:>8.2f} GB/s")
     ours, base = med["xxh3-128 (payload_checksum)"], med["blake2b-128"]
     print(f"ratio (xxh3-128 / blake2b): {ours / base:.1f}")
-    path = write_result(
-        "checksum_xxh3_128", f"payload checksum throughput, {args.unit}-byte payloads", "GB/s", ours,
-        "hashlib blake2b digest_size=16", base,
-        f"python -m benchmarks.bench_checksum --mib {args.mib} --unit {args.unit} --repeats {args.repeats}",
-        details={"runs": runs, "medians": med},
-    )
+    path = write_result("checksum_xxh3_128", f"payload checksum throughput, {args.unit}-byte payloads", "GB/s", [Run(ours, base)], "hashlib blake2b digest_size=16", f"python -m benchmarks.bench_checksum --mib {args.mib} --unit {args.unit} --repeats {args.repeats}", details={"runs": runs, "medians": med})
     print(f"wrote {path}")
 
 

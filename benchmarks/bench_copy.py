@@ -59,7 +59,7 @@ from nexuskv.errors import TierUnavailableError
 from streams.bus.process import ManagedProcess
 from streams.remote_tier import local_address
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 PAIRS = [("disk", "host"), ("host", "disk"), ("host", "device"), ("device", "host"), ("host", "remote"),
          ("remote", "host")]
@@ -261,16 +261,11 @@ def main() -> None:
         baseline = {"disk": "plain file readinto", "remote": "Mooncake get_into from the same store, no checks"}.get(
             src, {"disk": "plain file write", "remote": "Mooncake put_from into the same store, no checks"}.get(
                 dst, "torch Tensor.copy_"))
-        path = write_result(
-            f"copy_{src}_{dst}", f"copy bandwidth {src}->{dst}, {head_unit}-byte payloads, checksum verified",
-            "GB/s", head["ours"], baseline, head["plain"],
-            f"python -m benchmarks.bench_copy --mib {args.mib} --units {args.units} --headline {args.headline} "
+        path = write_result(f"copy_{src}_{dst}", f"copy bandwidth {src}->{dst}, {head_unit}-byte payloads, checksum verified", "GB/s", [Run(head["ours"], head["plain"])], baseline, f"python -m benchmarks.bench_copy --mib {args.mib} --units {args.units} --headline {args.headline} "
             f"--repeats {args.repeats} --lanes {args.lanes}"
-            + (f" --pairs {args.pairs}" if args.pairs != DEFAULT_PAIRS else ""),
-            details={"units": {str(u): c for u, c in by_unit.items()}, "lanes": args.lanes, "mib_per_pass": args.mib,
+            + (f" --pairs {args.pairs}" if args.pairs != DEFAULT_PAIRS else ""), details={"units": {str(u): c for u, c in by_unit.items()}, "lanes": args.lanes, "mib_per_pass": args.mib,
                      "device_tier": device_note, "cuda": cuda_available(),
-                     "remote_store": "Mooncake Store (mooncake-transfer-engine-non-cuda), TCP transport, loopback"},
-        )
+                     "remote_store": "Mooncake Store (mooncake-transfer-engine-non-cuda), TCP transport, loopback"})
         print(f"wrote {path}")
 
 

@@ -47,7 +47,7 @@ from streams.bus.clients import make_consumer, make_producer  # noqa: E402
 from streams.bus.process import ManagedProcess, free_port  # noqa: E402
 from streams.bus.topics import ensure_topics  # noqa: E402
 
-from benchmarks._result import write_result  # noqa: E402
+from benchmarks._result import Run, write_result  # noqa: E402
 
 
 class KafkaWithJoinDelay(ApacheKafkaBroker):
@@ -265,12 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 "the agent. One event was produced before the worker started. Apache Kafka runs with "
                 "group.initial.rebalance.delay.ms=0 (the test broker's config).",
     }
-    path = write_result(
-        NAME,
-        "Faust worker start-up: process start to first event consumed by an agent, Apache Kafka, median",
-        "s", kafka["tuned"]["event"], "faust-streaming 0.15.3 defaults", kafka["default"]["event"], command,
-        details,
-    )
+    path = write_result(NAME, "Faust worker start-up: process start to first event consumed by an agent, Apache Kafka, median", "s", [Run(kafka["tuned"]["event"], kafka["default"]["event"])], "faust-streaming 0.15.3 defaults", command, details)
     print(f"wrote {path.relative_to(_REPO)}")
     return 0
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from nexuskv.identity import BlockKeyer, IdentityScope
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 BLOCK = 16
 TOKENS = 8192
@@ -68,12 +68,7 @@ def main() -> None:
     print(f"{'NexusKV BlockKeyer (BLAKE2b-128)':<34}{ours:>18,.0f}{per_prompt_ms:>18.3f}")
     print(f"{'plain hashlib sha256 chain':<34}{base:>18,.0f}{TOKENS / BLOCK / base * 1e3:>18.3f}")
     print(f"ratio (ours / baseline): {ratio:.2f}")
-    path = write_result(
-        "identity_block_keys_8k", "canonical block keys per second, 8K-token prompts, 16-token blocks", "keys/s",
-        ours, "plain hashlib sha256 chain", base,
-        f"python -m benchmarks.bench_identity --prompts {args.prompts} --repeats {args.repeats}",
-        details={"runs": ours_runs, "baseline_runs": base_runs, "ms_per_8k_prompt": per_prompt_ms},
-    )
+    path = write_result("identity_block_keys_8k", "canonical block keys per second, 8K-token prompts, 16-token blocks", "keys/s", [Run(ours, base)], "plain hashlib sha256 chain", f"python -m benchmarks.bench_identity --prompts {args.prompts} --repeats {args.repeats}", details={"runs": ours_runs, "baseline_runs": base_runs, "ms_per_8k_prompt": per_prompt_ms})
     print(f"wrote {path}")
 
 

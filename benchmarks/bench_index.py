@@ -35,7 +35,7 @@ from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.reference_index import ReferenceIndex
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from benchmarks.trace_events import TraceReplay, load_trace
 
 SECRET = b"bench"
@@ -126,9 +126,7 @@ def main() -> None:
     print(f"ingest in-process: {got['ops']:,} block ops in {got['batches']} batches; "
           f"GlobalIndex {ours:,.0f} ops/s, dict-of-sets {base:,.0f} ops/s, ratio {ours / base:.2f}")
     if not args.no_write:
-        write_result("index_ingest_inprocess", "block operations per second per core, Mooncake replay", "ops/s",
-                     ours, "plain dict-of-sets index (ReferenceIndex)", base, cmd,
-                     details={"runs": got["ours"], "baseline_runs": got["base"], "block_ops": got["ops"],
+        write_result("index_ingest_inprocess", "block operations per second per core, Mooncake replay", "ops/s", [Run(ours, base)], "plain dict-of-sets index (ReferenceIndex)", cmd, details={"runs": got["ours"], "baseline_runs": got["base"], "block_ops": got["ops"],
                               "requests": args.requests, "goal": 300_000})
 
     rng = np.random.default_rng(7)
@@ -140,9 +138,7 @@ def main() -> None:
     print(f"resident: {blocks:,} blocks, {members:,} memberships; bytes/membership GlobalIndex "
           f"{ours_bytes / members:.1f} (nbytes {ours_ix.nbytes / members:.1f}), dict-of-sets {base_bytes / members:.1f}")
     if not args.no_write:
-        write_result("index_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks",
-                     "bytes", ours_bytes / members, "plain dict-of-sets index (ReferenceIndex)", base_bytes / members,
-                     cmd, details={"blocks": blocks, "memberships": members, "traced_bytes": ours_bytes,
+        write_result("index_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks", "bytes", [Run(ours_bytes / members, base_bytes / members)], "plain dict-of-sets index (ReferenceIndex)", cmd, details={"blocks": blocks, "memberships": members, "traced_bytes": ours_bytes,
                                    "baseline_traced_bytes": base_bytes, "nbytes_estimate": ours_ix.nbytes,
                                    "goal": 64})
     keyer = BlockKeyer(SCOPE, BS, SECRET)
@@ -171,8 +167,7 @@ def main() -> None:
               f"key computation median {statistics.median(key_us):.0f} µs")
         if not args.no_write:
             write_result(f"index_lookup_{label}_p99", f"lookup latency p99, {tokens}-token prompt given its keys, "
-                         f"~1M resident blocks", "µs", p99, "plain dict-of-sets index (ReferenceIndex), p99", b99, cmd,
-                         details={"p50_us": p50, "baseline_p50_us": b50, "keys": tokens // BS, "lookups": args.lookups,
+                         f"~1M resident blocks", "µs", [Run(p99, b99)], "plain dict-of-sets index (ReferenceIndex), p99", cmd, details={"p50_us": p50, "baseline_p50_us": b50, "keys": tokens // BS, "lookups": args.lookups,
                                   "baseline_lookups": len(t_base), "key_computation_median_us": statistics.median(key_us),
                                   "resident_blocks": blocks, "matching_locations": len(first.matches),
                                   "goal_p99_us_at_8k": 10})

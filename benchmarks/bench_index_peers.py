@@ -61,7 +61,7 @@ from nexuskv.descriptor import Tier
 from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 BS = 16
 WORKERS = 8
@@ -416,23 +416,16 @@ def write_ingest(runs: list[dict], cmd: str, common: dict) -> None:
         return [list(run[key]) for run in runs]
 
     write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
-                 "to 4,096 blocks)", "blocks/s", med("ingest", 0),
-                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest", 1), cmd,
-                 details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
+                 "to 4,096 blocks)", "blocks/s", [Run(med("ingest", 0), med("ingest", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
                           **({"dict_baseline_blocks_per_s": med("ingest", 2)} if med("ingest", 2) else {}),
                           "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
                                   "its JSON parse"})
     write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
-                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s",
-                 med("ingest_wire", 0), "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)",
-                 med("ingest_wire", 1), cmd,
-                 details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
+                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s", [Run(med("ingest_wire", 0), med("ingest_wire", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
                           "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
     write_result("index_peers_ingest_wire_sized", "ingest of pre-keyed stored blocks from kv-events v2 record "
                  "bytes (codec.decode + GlobalIndex.apply) into an index sized for them up front (expected_blocks, "
-                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", med("ingest_wire_sized", 0),
-                 "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", med("ingest_wire_sized", 1),
-                 cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
+                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", [Run(med("ingest_wire_sized", 0), med("ingest_wire_sized", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
                                "expected_blocks": runs[0]["stored"],
                                "note": "both clocks start from bytes; NexusKV's block table sized for the resident "
                                        "blocks before the clock starts (Dynamo's tree needs no sizing)"})
@@ -489,20 +482,13 @@ def main() -> None:
               "keys_per_lookup": 512, "lookups_per_round": args.lookups, "rounds": args.rounds, "runs": args.runs,
               "index_backend": "native", "load_average_at_end": os.getloadavg()}
     for q in ("p50", "p99"):
-        write_result(f"index_peers_lookup_8k_{q}",
-                     f"lookup latency {q}, 8K-token prompt (512 keys: 384 present, 128 absent), ~1M resident blocks",
-                     "µs", med(q, 0), "Dynamo RadixTree.find_matches (ai-dynamo-runtime 1.6.1)", med(q, 1), cmd,
-                     details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
+        write_result(f"index_peers_lookup_8k_{q}", f"lookup latency {q}, 8K-token prompt (512 keys: 384 present, 128 absent), ~1M resident blocks", "µs", [Run(med(q, 0), med(q, 1))], "Dynamo RadixTree.find_matches (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
                               "answer": "NexusKV: per (worker, tier, group) prefix, extents, certainty; "
                                         "Dynamo: per worker prefix length"})
     write_ingest(runs, cmd, common)
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
-                 "512-block prompts, each with the eviction of a resident one", "ops/s", med("churn", 0),
-                 "Dynamo RadixTree.apply_event, JSON stored + removed events", med("churn", 1), cmd,
-                 details={**common, "per_run_ops_per_s": per_run("churn"), "prompts": CHURN, "goal_ratio": 1.0})
-    write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks",
-                 "bytes", med("bytes", 0), "dict of key -> location set (traced)", med("bytes", 1), cmd,
-                 details={**common, "core_nbytes": first["core_nbytes"], "python_traced_bytes":
+                 "512-block prompts, each with the eviction of a resident one", "ops/s", [Run(med("churn", 0), med("churn", 1))], "Dynamo RadixTree.apply_event, JSON stored + removed events", cmd, details={**common, "per_run_ops_per_s": per_run("churn"), "prompts": CHURN, "goal_ratio": 1.0})
+    write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks", "bytes", [Run(med("bytes", 0), med("bytes", 1))], "dict of key -> location set (traced)", cmd, details={**common, "core_nbytes": first["core_nbytes"], "python_traced_bytes":
                           first["python_traced_bytes"], "dynamo_rss_growth_per_block": first["dynamo_rss_per_block"],
                           "goal": 64})
 

@@ -34,7 +34,7 @@ from streams.bus.topics import ensure_topics
 from streams.faust_app import make_faust_app
 from streams.index_worker import IndexWorker
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from benchmarks.trace_events import TraceReplay, load_trace
 
 PARTITIONS = 4
@@ -125,10 +125,7 @@ async def amain(args) -> None:
     o, b = statistics.median(ours), statistics.median(base)
     print(f"index_ingest_pipeline: {o:,.0f} block ops/s per worker; per-block Faust table {b:,.0f}; ratio {o / b:.1f}")
     if not args.no_write:
-        write_result("index_ingest_pipeline", "block operations per second through Kafka into the index, one worker",
-                     "ops/s", o, "Faust agent writing one table row per block", b,
-                     f"python -m benchmarks.bench_index_pipeline --requests {args.requests} --runs {args.runs}",
-                     details={"runs": ours, "baseline_runs": base, "block_ops": replay.block_ops,
+        write_result("index_ingest_pipeline", "block operations per second through Kafka into the index, one worker", "ops/s", [Run(o, b)], "Faust agent writing one table row per block", f"python -m benchmarks.bench_index_pipeline --requests {args.requests} --runs {args.runs}", details={"runs": ours, "baseline_runs": base, "block_ops": replay.block_ops,
                               "batches": len(batches), "partitions": PARTITIONS, "goal": 100_000})
 
 

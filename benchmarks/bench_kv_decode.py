@@ -37,7 +37,7 @@ from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.edge_keys import EdgeKeyer
 from streams.bridge import translate
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 BS = 16
 IDENT = PublisherIdentity(tenant_namespace="bench", model="m", model_revision="r", tokenizer_revision="t",
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(raw1):,} B); ratio {v2 / v1:.4f}")
     head = details["prompt"]
     if not args.no_write:
-        path = write_result("kv_events_decode", "decode of a kv-events record (8K-token prompt, 512 blocks)",
-                            "ns/block", head["v2_ns_per_block"], "version 1: msgpack -> dict -> pydantic",
-                            head["v1_ns_per_block"], "python -m benchmarks.bench_kv_decode", details)
+        path = write_result("kv_events_decode", "decode of a kv-events record (8K-token prompt, 512 blocks)", "ns/block", [Run(head["v2_ns_per_block"], head["v1_ns_per_block"])], "version 1: msgpack -> dict -> pydantic", "python -m benchmarks.bench_kv_decode", details)
         print(f"wrote {path}")
     return 0
 

@@ -30,7 +30,7 @@ from nexuskv.profiles import shipped_cost_model
 from nexuskv.routing_policies import DynamoCost
 
 from benchmarks import _planner_scenario as scenario
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 
 def _reference_us() -> float:
@@ -102,16 +102,12 @@ def main() -> None:
           f"{med['decide+records'][1] / med['decide'][1]:.1f}")
     print(f"machine reference: 1,000 integer additions in Python take {statistics.median(reference):.1f} µs "
           f"(range {min(reference):.1f}-{max(reference):.1f} during the runs)")
-    path = write_result(
-        "planner_decision_inprocess_p99", "planner decision latency in process, p99 (8K prompt, 4 candidates, "
-        "5 locations)", "us", med["decide"][1], "Dynamo cost formula alone (same inputs), p99", med["dynamo"][1],
-        f"python -m benchmarks.bench_planner --calls {args.calls} --runs {args.runs}",
-        details={"p50_us": med["decide"][0], "decide_with_records_p50_us": med["decide+records"][0],
+    path = write_result("planner_decision_inprocess_p99", "planner decision latency in process, p99 (8K prompt, 4 candidates, "
+        "5 locations)", "us", [Run(med["decide"][1], med["dynamo"][1])], "Dynamo cost formula alone (same inputs), p99", f"python -m benchmarks.bench_planner --calls {args.calls} --runs {args.runs}", details={"p50_us": med["decide"][0], "decide_with_records_p50_us": med["decide+records"][0],
                  "decide_with_records_p99_us": med["decide+records"][1], "dynamo_p50_us": med["dynamo"][0],
                  "options": len(first.options), "action": first.action.value,
                  "reference_1000_adds_us": statistics.median(reference),
-                 "runs": {k: [list(x) for x in v] for k, v in runs.items()}},
-    )
+                 "runs": {k: [list(x) for x in v] for k, v in runs.items()}})
     print(f"wrote {path}")
 
 

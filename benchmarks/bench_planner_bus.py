@@ -36,7 +36,7 @@ from streams.bus.topics import ensure_topics
 
 from benchmarks import _planner_scenario as scenario
 from benchmarks._planner_bus_probe import ECHO_REPLIES, ECHO_REQUESTS
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,16 +133,11 @@ def main() -> None:
         pl, ec = med[(name, "planner")], med[(name, "echo")]
         print(f"{name}: planner / echo p99 ratio {pl[1] / ec[1]:.2f}, p50 ratio {pl[0] / ec[0]:.2f}")
     primary = "tansu" if "tansu" in results else next(iter(results))
-    path = write_result(
-        "planner_decision_bus_p99", f"plan request -> decision over the bus on loopback, p99 ({primary})", "ms",
-        med[(primary, "planner")][1], f"raw aiokafka echo round trip ({primary}), p99", med[(primary, "echo")][1],
-        f"python -m benchmarks.bench_planner_bus --requests {args.requests} --runs {args.runs} "
-        f"--brokers {args.brokers}",
-        details={"p50_ms": med[(primary, "planner")][0], "echo_p50_ms": med[(primary, "echo")][0],
+    path = write_result("planner_decision_bus_p99", f"plan request -> decision over the bus on loopback, p99 ({primary})", "ms", [Run(med[(primary, "planner")][1], med[(primary, "echo")][1])], f"raw aiokafka echo round trip ({primary}), p99", f"python -m benchmarks.bench_planner_bus --requests {args.requests} --runs {args.runs} "
+        f"--brokers {args.brokers}", details={"p50_ms": med[(primary, "planner")][0], "echo_p50_ms": med[(primary, "echo")][0],
                  "by_broker": {f"{b}/{m}": {"p50_ms": v[0], "p99_ms": v[1]} for (b, m), v in med.items()},
                  "runs": {b: {m: [list(x) for x in r] for m, r in runs.items()} for b, runs in results.items()},
-                 "requests_per_run": args.requests},
-    )
+                 "requests_per_run": args.requests})
     print(f"wrote {path}")
 
 

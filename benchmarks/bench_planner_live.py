@@ -61,7 +61,7 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from nexuskv.routing_policies import DynamoCost
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 BS, QUERY_BLOCKS, SUB = 16, 512, 32  # 8K tokens; a Mooncake hash id covers 512 tokens = 32 of our blocks
 WORKERS, TARGET = 8, 1_000_000
@@ -325,12 +325,8 @@ def main() -> None:
     print(f"lookup+plan p99 {med['lookup+plan'][1]:.1f} µs (goal <= 100): {ratio:.2f}x lookup+dynamo's")
     command = f"python -m benchmarks.bench_planner_live --requests {args.requests} --runs {args.runs}"
     if not args.no_write:
-        path = write_result(
-            "planner_live_lookup_plan_8k_p99", "index lookup + plan per request, p99, in process (8K-token requests "
-            "from the Mooncake trace, 4 of 8 candidates with random loads, ~1M memberships, live batches applied)",
-            "us", med["lookup+plan"][1], "lookup + Dynamo cost formula (same requests, same run), p99",
-            med["lookup+dynamo"][1], command,
-            details={"p50_us": med["lookup+plan"][0], "lookup_p50_us": med["lookup"][0],
+        path = write_result("planner_live_lookup_plan_8k_p99", "index lookup + plan per request, p99, in process (8K-token requests "
+            "from the Mooncake trace, 4 of 8 candidates with random loads, ~1M memberships, live batches applied)", "us", [Run(med["lookup+plan"][1], med["lookup+dynamo"][1])], "lookup + Dynamo cost formula (same requests, same run), p99", command, details={"p50_us": med["lookup+plan"][0], "lookup_p50_us": med["lookup"][0],
                      "lookup_p99_us": med["lookup"][1], "baseline_p50_us": med["lookup+dynamo"][0],
                      "goal_p99_us": 100, **{k: v for k, v in got.items() if k not in ("median",)}})
         print(f"wrote {path}")
@@ -344,11 +340,8 @@ def main() -> None:
           f"in-process lookup p50 {amed['inprocess'][0]:.1f} µs, p99 {amed['inprocess'][1]:.1f} µs; "
           f"client {asked['client']}")
     if not args.no_write:
-        path = write_result(
-            "engine_ask_roundtrip_8k_p99", "engine-side ask of the node's index sidecar, round trip p99 (512 keys, "
-            "Unix socket, sidecar applying live batches)", "us", amed["ask"][1],
-            "in-process replica lookup it replaces (same keys, same state), p99", amed["inprocess"][1],
-            command, details={"p50_us": amed["ask"][0], "baseline_p50_us": amed["inprocess"][0],
+        path = write_result("engine_ask_roundtrip_8k_p99", "engine-side ask of the node's index sidecar, round trip p99 (512 keys, "
+            "Unix socket, sidecar applying live batches)", "us", [Run(amed["ask"][1], amed["inprocess"][1])], "in-process replica lookup it replaces (same keys, same state), p99", command, details={"p50_us": amed["ask"][0], "baseline_p50_us": amed["inprocess"][0],
                               "budget_ms": 20, "runs": asked["runs"], "client": asked["client"],
                               "idle_sidecar_p50_us": imed["ask"][0], "idle_sidecar_p99_us": imed["ask"][1],
                               "idle_runs": idle["runs"], "idle_client": idle["client"]})

@@ -33,7 +33,7 @@ from nexuskv.contracts.observations import ObservationRecord, PrefillObservation
 from nexuskv.dataplane import DescriptorRegistry, HostMemoryBackend
 from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 SPECS = {
     "gqa": ReferenceModelSpec.gqa(block_size=16),
@@ -113,16 +113,10 @@ def main() -> None:
         if args.no_write:
             continue
         longest = max(rows)
-        path = write_result(
-            f"runtime_prefill_{name}",
-            f"reference engine ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier",
-            "s", rows[longest]["reuse_s"], "full recompute of the same prompt", rows[longest]["recompute_s"],
-            f"python -m benchmarks.bench_prefill --lengths {args.lengths} --repeats {args.repeats} --variants {name}",
-            details={"lengths": {str(k): v for k, v in rows.items()}, "fit": fit,
+        path = write_result(f"runtime_prefill_{name}", f"reference engine ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier", "s", [Run(rows[longest]["reuse_s"], rows[longest]["recompute_s"])], "full recompute of the same prompt", f"python -m benchmarks.bench_prefill --lengths {args.lengths} --repeats {args.repeats} --variants {name}", details={"lengths": {str(k): v for k, v in rows.items()}, "fit": fit,
                      "spec": {"block_size": spec.block_size, "checkpoint_interval": spec.checkpoint_interval,
                               "d_model": spec.d_model, "n_layers": spec.n_layers},
-                     "torch_threads": torch.get_num_threads()},
-        )
+                     "torch_threads": torch.get_num_threads()})
         print(f"wrote {path}")
 
 

@@ -28,7 +28,7 @@ from analytics.replay_figures import ReplayFigures, render, replay_figures
 from nexuskv.config import Settings
 from streams.app.replay.session import ReplayConfig, run_replay
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 
 TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace_head1000.jsonl"
 
@@ -74,12 +74,8 @@ def main() -> None:
     command = f"python -m benchmarks.bench_replay --runs {args.runs}"
     details = {"runs": rows, "trace": TRACE.name, "median_ttft_rel_error": med("median_ttft_rel_error"),
                "differing_outputs": [r["differing_outputs"] for r in rows]}
-    write_result("replay_ttft_mean", "mean TTFT of the default replay's measured requests, vLLM + NexusKV", "s",
-                 med("nexuskv_mean_ttft_s"), "vLLM alone (prefix caching, least-outstanding routing)",
-                 med("baseline_mean_ttft_s"), command, details)
-    write_result("replay_ttft_p99", "p99 TTFT of the default replay's measured requests, vLLM + NexusKV", "s",
-                 med("nexuskv_p99_ttft_s"), "vLLM alone (prefix caching, least-outstanding routing)",
-                 med("baseline_p99_ttft_s"), command, details)
+    write_result("replay_ttft_mean", "mean TTFT of the default replay's measured requests, vLLM + NexusKV", "s", [Run(med("nexuskv_mean_ttft_s"), med("baseline_mean_ttft_s"))], "vLLM alone (prefix caching, least-outstanding routing)", command, details)
+    write_result("replay_ttft_p99", "p99 TTFT of the default replay's measured requests, vLLM + NexusKV", "s", [Run(med("nexuskv_p99_ttft_s"), med("baseline_p99_ttft_s"))], "vLLM alone (prefix caching, least-outstanding routing)", command, details)
     mean_n, mean_b = med("nexuskv_mean_ttft_s"), med("baseline_mean_ttft_s")
     p99_n, p99_b = med("nexuskv_p99_ttft_s"), med("baseline_p99_ttft_s")
     print(f"median over {args.runs} runs: mean TTFT {mean_n:.3f} s vs {mean_b:.3f} s ({mean_n / mean_b:.3f}x); "

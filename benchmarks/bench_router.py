@@ -24,7 +24,7 @@ import time
 
 from streams.router import POLICY_NAMES
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from benchmarks.router_sim import SimConfig, compare, side_by_side
 from benchmarks.trace_events import CONVERSATION_TRACE, load_trace
 
@@ -74,11 +74,8 @@ def main() -> None:
     print(f"\nmean predicted TTFT: nexuskv {ours:.3f} s vs {rival} {theirs:.3f} s: ratio {ours / theirs:.3f}")
     command = (f"python -m benchmarks.bench_router --requests {args.requests} --windows {args.windows} "
                f"--workers {args.workers} --time-scale {args.time_scale} --result {args.result}")
-    write_result(args.result,
-                 f"mean TTFT predicted by NexusKV's own cost model (the model NexusKV's rule optimises), Mooncake conversation trace, {args.workers} simulated workers "
-                 f"(median over {len(per_window)} windows of {args.requests} requests)",
-                 "s", ours, f"{rival} (the better of dynamo and llm-d)", theirs, command,
-                 details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,
+    write_result(args.result, f"mean TTFT predicted by NexusKV's own cost model (the model NexusKV's rule optimises), Mooncake conversation trace, {args.workers} simulated workers "
+                 f"(median over {len(per_window)} windows of {args.requests} requests)", "s", [Run(ours, theirs)], f"{rival} (the better of dynamo and llm-d)", command, details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,
                           "config": {"workers": config.workers, "gpu_blocks": config.gpu_blocks,
                                      "host_blocks": config.host_blocks, "tpot_s": config.tpot_s,
                                      "time_scale": config.time_scale}})

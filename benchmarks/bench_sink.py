@@ -27,7 +27,7 @@ from analytics.schema import TABLES
 from analytics.store import COLUMNS, DecisionStore, decision_row
 from nexuskv.contracts.decisions import Action
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from tests.analytics.test_store import decision
 
 
@@ -91,11 +91,8 @@ def main() -> None:
         print(f"{k:<28}{v:>14,.0f} rows/s")
     print(f"ratio (arrow INSERT OR IGNORE / executemany): {med['arrow'] / med['executemany']:.1f}")
     print(f"ratio (arrow INSERT OR IGNORE / appender):    {med['arrow'] / med['appender']:.2f}")
-    path = write_result("sink_rows_per_s", "decision rows per second into a file-backed DuckDB with its key",
-                        "rows/s", med["arrow"], "executemany in one transaction per batch", med["executemany"],
-                        f"python -m benchmarks.bench_sink --rows {args.rows} --batch {args.batch} "
-                        f"--repeats {args.repeats}",
-                        details={"runs": runs, "appender_median": med["appender"], "batch": args.batch})
+    path = write_result("sink_rows_per_s", "decision rows per second into a file-backed DuckDB with its key", "rows/s", [Run(med["arrow"], med["executemany"])], "executemany in one transaction per batch", f"python -m benchmarks.bench_sink --rows {args.rows} --batch {args.batch} "
+                        f"--repeats {args.repeats}", details={"runs": runs, "appender_median": med["appender"], "batch": args.batch})
     print(f"wrote {path}")
 
 

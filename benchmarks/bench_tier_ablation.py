@@ -24,7 +24,7 @@ import dataclasses
 import shlex
 import sys
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from benchmarks.harness import HarnessConfig, run_harness
 from benchmarks.harness.cluster import CAPACITIES
 from benchmarks.harness.output import render
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                    "trials": args.trials, "medians": medians, "ttft_mean_per_trial": per_trial,
                    "counters": result.counters, "wall_s": round(result.wall_s, 1)}
         path = write_result("harness_tier_ablation", "NexusKV's mean TTFT with utility tiers (admission and "
-                            "eviction by expected gain per byte) under tier pressure, simulated cluster", "s", value,
-                            "no-eviction-utility (the same planner on LRU tiers)", base, command.strip(), details)
+                            "eviction by expected gain per byte) under tier pressure, simulated cluster", "s", [Run(value, base)], "no-eviction-utility (the same planner on LRU tiers)", command.strip(), details)
         print(f"result: {path}")
     return 0
 

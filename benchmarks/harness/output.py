@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from analytics.store import DecisionStore
 
-from benchmarks._result import write_result
+from benchmarks._result import Run, write_result
 from benchmarks.harness.metrics import Summary
 from benchmarks.harness.run import HarnessResult
 from benchmarks.harness.simulator import ROW_FIELDS, Row
@@ -140,8 +140,7 @@ def write_result_file(result: HarnessResult, command: str, *, results_dir: Path 
                "trials": result.config.trials, "policies": per_policy, "goals": goals(result),
                "control": result.control, "record": result.record}
     return write_result("harness_eg_vs_oracle", "NexusKV's aggregate realized Effective Gain as a fraction of the "
-                        "oracle's on the same states (simulated cluster, same workload and seeds)", "fraction", value,
-                        f"best other policy: {best[0]}", best[1], command, details, results_dir=results_dir)
+                        "oracle's on the same states (simulated cluster, same workload and seeds)", "fraction", [Run(value, best[1])], f"best other policy: {best[0]}", command, details, results_dir=results_dir)
 
 
 def _f(v: float | None, fmt: str) -> str:
