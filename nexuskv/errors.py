@@ -14,6 +14,7 @@
     └── DataPlaneError         a tier or transfer could not do what was asked
         ├── TierFullError      the tier has no room for the payload (nothing was stored)
         ├── IntegrityError     payload bytes or header do not match their checksum or address
+        ├── ObjectConflictError a store holds another object under a payload's name (nothing saved)
         └── TierUnavailableError a tier's backing store (remote process, folder) cannot be reached
 
 "Not found" is ``None``, never an exception and never ``-1``.
@@ -34,6 +35,7 @@ __all__ = [
     "DataPlaneError",
     "TierFullError",
     "IntegrityError",
+    "ObjectConflictError",
     "TierUnavailableError",
 ]
 
@@ -118,6 +120,11 @@ class TierFullError(DataPlaneError):
 
 class IntegrityError(DataPlaneError):
     """Payload bytes or header do not match their checksum, or the header names another payload."""
+
+
+class ObjectConflictError(DataPlaneError):
+    """A save found the store already holding an object under the payload's name that is not this
+    payload (squatted, or a stale write): nothing was acknowledged, and the reason names what is there."""
 
 
 class TierUnavailableError(DataPlaneError):

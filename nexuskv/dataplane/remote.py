@@ -17,16 +17,38 @@ not trusted with integrity:
   under a valid header; a missing, torn or relabelled object is a miss (None, or IntegrityError
   for a reader told it is there), which falls back to recompute.
 
-Mooncake gives every read a lease (:data:`~nexuskv.dataplane.remote_store.LEASE_MS`) during which
-the object cannot be removed, so a DELETE racing a GET waits for the read instead of freeing its
-bytes under it; :meth:`RemoteBackend.delete` retries while a lease is held, for at most
-``timeout_s``. Every object is hard-pinned: the store never evicts on its own, and a full store
-rejects the save (TierFullError) with nothing stored, so the index is never made wrong by an
-eviction NexusKV did not decide. Capacity and use are the store's own (its admin endpoint's
-gauges), headers included: a payload of ``n`` bytes uses ``n + 128``.
+**A save is acknowledged only when a read would return its bytes.** Mooncake keeps the first
+object put under a name and answers a second put with success; anyone who can reach the store can
+create an object under a payload's name first. So a put's success is not taken on trust: a name
+already held is read back whole and verified (its header must name the payload with the same
+checksum, and its bytes must pass it), and after a put the stored header is read back and
+compared. A copy that verifies is the same payload — saved by another
+worker — and the save succeeds; anything else fails the save with
+:class:`~nexuskv.errors.ObjectConflictError` naming what the store holds, is counted
+(``conflicts``), and nothing is announced.
 
-Bounds: the admin endpoint is called with ``timeout_s``; Mooncake's RPCs give up after its own 30 s
-deadline; one client (a fixed set of Mooncake threads) per backend, shared by every thread.
+**Every call has a deadline that holds.** Mooncake's client blocks in C++ for as long as its own
+timeouts say (a put took 65 s against a 10 s budget while 600 connections flooded the store's
+transfer port). Every call (setup, put, get, exists, remove, the header reads) runs on the
+backend's :class:`~nexuskv.dataplane.deadlines.DeadlineCalls` and is awaited at most
+``timeout_s``; an overrun is TierUnavailableError (counted: ``overruns``), and the abandoned
+call's buffers — private staging buffers, never the caller's tensors — are given back only once
+Mooncake returns, so a late read can never write into memory its caller reuses, and a late write
+sends the bytes that were verified.
+
+**Deletes are not starved.** Mooncake gives every read a lease
+(:data:`~nexuskv.dataplane.remote_store.LEASE_MS`) during which the object cannot be removed, so a
+DELETE racing a GET waits for the read instead of freeing its bytes under it. Readers that never
+stop would hold a name for ever: :meth:`RemoteBackend.delete` retries with backoff for at most
+``delete_wait_s`` (``delete_retries``), then removes the object regardless of its lease
+(``forced_deletes``). That is safe because no read is trusted: a read racing a forced removal gets
+the old bytes whole, or fails its header and checksum checks and is a miss (recompute).
+
+Every object is hard-pinned: the store never evicts on its own, and a full store rejects the save
+(TierFullError) with nothing stored, so the index is never made wrong by an eviction NexusKV did
+not decide. Capacity and use are the store's own (its admin endpoint's gauges), headers included:
+a payload of ``n`` bytes uses ``n + 128``. The admin endpoint is called with ``timeout_s``; one
+client (a fixed set of Mooncake threads) per backend, shared by every thread.
 """
 
 from __future__ import annotations
@@ -43,6 +65,7 @@ import torch
 from nexuskv.dataplane.backend import Reservation, StagedBackend, host_view
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.cuda import cuda_available
+from nexuskv.dataplane.deadlines import DeadlineCalls
 from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader, PayloadKey, verify_payload
 from nexuskv.dataplane.remote_store import (
     KEY_PREFIX,
@@ -55,7 +78,7 @@ from nexuskv.dataplane.remote_store import (
     reachable,
 )
 from nexuskv.descriptor import Tier
-from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
+from nexuskv.errors import IntegrityError, ObjectConflictError, TierFullError, TierUnavailableError
 
 __all__ = ["RemoteBackend"]
 
@@ -100,9 +123,14 @@ class RemoteBackend(StagedBackend):
                     raise
                 time.sleep(0.2)
 
-    def __init__(self, address: str, *, label: str = "remote-mooncake", timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, *, label: str = "remote-mooncake", timeout_s: float = 10.0,
+                 delete_wait_s: float = 2.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.delete_wait_s = delete_wait_s
+        self.conflicts = 0  # saves refused: the store held another object under the payload's name
+        self.delete_retries = 0  # removals tried again while a read's lease held the object
+        self.forced_deletes = 0  # removals that went ahead of readers after delete_wait_s
         try:
             self._addr: StoreAddress = parse_store_address(address)
         except ValueError as exc:
@@ -115,23 +143,32 @@ class RemoteBackend(StagedBackend):
         if capacity <= 0:
             raise TierUnavailableError(f"remote tier {address}: the store has no memory segment mounted")
         store_cls, config_cls = _mooncake()
+        self._calls = DeadlineCalls(f"remote tier {address}", threads=4, max_outstanding=64)
         self._store = store_cls()
-        rc = self._store.setup(local_host_for(self._addr, timeout_s), "P2PHANDSHAKE", 0, 0, "tcp", "",
-                               self._addr.master)
+        local = local_host_for(self._addr, timeout_s)
+        try:
+            rc = self._calls.call("client setup", lambda: self._store.setup(local, "P2PHANDSHAKE", 0, 0, "tcp", "",
+                                                                            self._addr.master),
+                                  deadline_s=timeout_s)
+        except TierUnavailableError:
+            self._calls.close()
+            raise
         if rc != 0:
             raise TierUnavailableError(f"remote tier {address}: the Mooncake client could not join the store "
                                        f"(setup returned {rc})")
         self._pin = config_cls()
         self._pin.with_hard_pin = True  # only NexusKV evicts NexusKV's payloads
-        # Headers are read into this registered buffer, many per call (Mooncake reads byte ranges
-        # only into registered memory).
-        self._heads = np.zeros(_HEADS_PER_CALL * HEADER_BYTES, dtype=np.uint8)
+        # Headers are read into registered buffers, many per call (Mooncake reads byte ranges only
+        # into registered memory); a buffer an abandoned call still writes into is not reused.
+        self._heads_free: list[np.ndarray] = []
         self._heads_lock = threading.Lock()
-        rc = self._store.register_buffer(self._heads.ctypes.data, self._heads.nbytes)
-        if rc != 0:
-            self._store.close()
-            raise TierUnavailableError(f"remote tier {address}: cannot register the header buffer ({rc})")
         self._closed = False
+        try:
+            self._give_heads(self._take_heads())
+        except TierUnavailableError:
+            self._store.close()
+            self._calls.close()
+            raise
         caps = Capabilities(tier=Tier.REMOTE, device="cpu", transport="tcp", out_of_process=True, shared=True,
                             note=f"payloads held by the Mooncake Store at {address}")
         super().__init__(label=label, capacity_bytes=capacity, capabilities=caps, pin=cuda_available())
@@ -176,11 +213,15 @@ class RemoteBackend(StagedBackend):
         for start in range(0, len(keys), _HEADS_PER_CALL):
             chunk = list(keys[start:start + _HEADS_PER_CALL])
             names = [object_name(k) for k in chunk]
-            with self._heads_lock:
-                codes = self._store.get_into_ranges(
-                    [self._heads.ctypes.data], [names], [[[i * HEADER_BYTES] for i in range(len(chunk))]],
-                    [[[0]] * len(chunk)], [[[HEADER_BYTES]] * len(chunk)])
-                raw = self._heads[:len(chunk) * HEADER_BYTES].tobytes()
+            heads = self._take_heads()
+            codes = self._call(
+                f"reading {len(chunk)} headers",
+                lambda: self._store.get_into_ranges([heads.ctypes.data], [names],
+                                                    [[[i * HEADER_BYTES] for i in range(len(chunk))]],
+                                                    [[[0]] * len(chunk)], [[[HEADER_BYTES]] * len(chunk)]),
+                on_late=lambda: self._give_heads(heads))
+            raw = heads[:len(chunk) * HEADER_BYTES].tobytes()
+            self._give_heads(heads)
             for i, (key, code) in enumerate(zip(chunk, codes[0])):
                 got = code[0]
                 if got == HEADER_BYTES:
@@ -191,6 +232,31 @@ class RemoteBackend(StagedBackend):
                     raise TierUnavailableError(f"remote tier {self.address}: reading the header of {key} "
                                                f"failed (Mooncake error {got})")
         return out
+
+    def _take_heads(self) -> np.ndarray:
+        with self._heads_lock:
+            if self._heads_free:
+                return self._heads_free.pop()
+        heads = np.zeros(_HEADS_PER_CALL * HEADER_BYTES, dtype=np.uint8)
+        rc = self._call("registering a header buffer",
+                        lambda: self._store.register_buffer(heads.ctypes.data, heads.nbytes))
+        if rc != 0:
+            raise TierUnavailableError(f"remote tier {self.address}: cannot register a header buffer ({rc})")
+        return heads
+
+    def _give_heads(self, heads: np.ndarray) -> None:
+        with self._heads_lock:
+            if len(self._heads_free) < 4:  # more only exist while calls that overran still hold them
+                self._heads_free.append(heads)
+                return
+        try:
+            self._call("unregistering a header buffer", lambda: self._store.unregister_buffer(heads.ctypes.data))
+        except TierUnavailableError as exc:  # the buffer stays registered: a few hundred KiB
+            log.warning("remote tier: %s", exc)
+
+    def _call(self, what: str, fn, *, on_late=None):
+        """``fn()`` on the backend's Mooncake threads, within ``timeout_s`` (TierUnavailableError past it)."""
+        return self._calls.call(what, fn, deadline_s=self.timeout_s, on_late=on_late)
 
     def _checked_header(self, key: PayloadKey, raw: bytes) -> PayloadHeader | None:
         """The stored header when it names ``key``; None (a miss, logged) when it is not a header of it."""
@@ -222,7 +288,8 @@ class RemoteBackend(StagedBackend):
             else:
                 named.append((name, key))
         # The listing is one name per line: a name with a line break in it could pose as another.
-        held = self._store.batch_is_exist([name for name, _ in named]) if named else []
+        held = self._call(f"checking {len(named)} objects",
+                          lambda: self._store.batch_is_exist([name for name, _ in named])) if named else []
         keys = [key for (_, key), there in zip(named, held) if there == 1]
         foreign += len(named) - len(keys)
         if foreign:
@@ -234,25 +301,55 @@ class RemoteBackend(StagedBackend):
         n = out.numel()
         if out.dtype is not torch.uint8 or not out.is_contiguous():
             raise ValueError(f"read_into {key}: needs a contiguous uint8 buffer, got {out.dtype}")
+        header = self._get(key, n)
+        if header is None:
+            return None
+        head, staged = header
+        try:
+            out.copy_(staged)
+        finally:
+            self._pool.give(staged)
+        return head
+
+    def _get(self, key: PayloadKey, n: int) -> tuple[PayloadHeader, torch.Tensor] | None:
+        """The object of ``key`` as ``n`` bytes read into a private staging buffer (the caller gives it
+        back), with its header checked; None when the store does not hold it."""
+        name = object_name(key)
         head = np.zeros(HEADER_BYTES, dtype=np.uint8)
-        with self._host_target(out) as target:
-            got = self._store.batch_get_into_multi_buffers(
-                [object_name(key)], [[head.ctypes.data, target.data_ptr()]], [[HEADER_BYTES, n]])[0]
+        staged = self._pool.take(n)
+
+        def give_back() -> None:
+            self._pool.give(staged)
+
+        try:
+            got = self._call(f"GET {key}", lambda: self._store.batch_get_into_multi_buffers(
+                [name], [[head.ctypes.data, staged.data_ptr()]], [[HEADER_BYTES, n]])[0], on_late=give_back)
+        except TierUnavailableError:
+            raise  # an overrun: the staging buffer stays with the abandoned call (given back when it returns)
+        except BaseException:
+            give_back()
+            raise
+        try:
             if got == _OBJECT_NOT_FOUND:
+                give_back()
                 return None
             if got == _INVALID_PARAMS:
                 raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
             if got == _LEASE_EXPIRED:
                 raise IntegrityError(f"{key}: the read outlived its lease; its bytes may be torn")
-            if got != HEADER_BYTES + n and self._store.get_size(object_name(key)) not in (HEADER_BYTES + n, -704):
-                raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
             if got != HEADER_BYTES + n:
+                size = self._call(f"sizing {key}", lambda: self._store.get_size(name))
+                if size not in (HEADER_BYTES + n, _OBJECT_NOT_FOUND):
+                    raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
                 raise TierUnavailableError(f"remote tier {self.address}: GET {key} failed (Mooncake error {got})")
             header = PayloadHeader.unpack(head.tobytes())
             if header.key != key or header.nbytes != n:
                 raise IntegrityError(f"payload header names {header.key} ({header.nbytes} bytes), not {key} "
                                      f"({n} bytes)")
-            return header
+        except BaseException:
+            give_back()
+            raise
+        return header, staged
 
     def commit_view(self, header: PayloadHeader, data: torch.Tensor,
                     reservation: Reservation | None = None) -> PayloadHandle:
@@ -261,12 +358,39 @@ class RemoteBackend(StagedBackend):
         data = data.reshape(-1).contiguous()
         if data.dtype is not torch.uint8:
             data = data.view(torch.uint8)
-        verify_payload(header.key, header, host_view(data))  # IntegrityError: nothing is sent
+        # The bytes sent are a private copy of the verified ones: a put that overruns its deadline
+        # may still read them after the caller has reused ``data``.
+        staged = self._pool.take(header.nbytes)
+        staged.copy_(data)
+        try:
+            verify_payload(header.key, header, host_view(staged))  # IntegrityError: nothing is sent
+        except BaseException:
+            self._pool.give(staged)
+            raise
+        name = object_name(header.key)
+        # Mooncake answers a put under a name it already holds with success and keeps the first
+        # object, so whatever is there is checked instead of trusted: read back whole when the
+        # name was taken before the put, by its header after it (a squatter racing in between is
+        # caught unless it wrote this payload's exact header, which names a checksum it could not
+        # know without the bytes; even then its object is a miss for every reader, never data).
+        held = self._call(f"EXISTS {header.key}", lambda: self._store.is_exist(name))
+        if held == 1:
+            self._pool.give(staged)
+            self._check_existing(header)  # ObjectConflictError unless it is this very payload
+            return self._handle(header)
         head = np.frombuffer(header.pack(), dtype=np.uint8)
-        rc = self._store.batch_put_from_multi_buffers(
-            [object_name(header.key)], [[head.ctypes.data, data.data_ptr()]], [[HEADER_BYTES, header.nbytes]],
-            self._pin)[0]
-        if rc in (0, _OBJECT_ALREADY_EXISTS):  # an object already held is kept: the first copy wins
+
+        def give_back() -> None:
+            self._pool.give(staged)
+
+        rc = self._call(f"PUT {header.key}", lambda: self._store.batch_put_from_multi_buffers(
+            [name], [[head.ctypes.data, staged.data_ptr()]], [[HEADER_BYTES, header.nbytes]], self._pin)[0],
+            on_late=give_back)
+        give_back()
+        if rc in (0, _OBJECT_ALREADY_EXISTS):
+            stored = self.header(header.key)
+            if stored is None or stored.checksum != header.checksum or stored.nbytes != header.nbytes:
+                self._check_existing(header)
             return self._handle(header)
         if rc == _NO_AVAILABLE_HANDLE:
             capacity, used = self._capacity()
@@ -274,32 +398,77 @@ class RemoteBackend(StagedBackend):
                                 f"({capacity - used} of {capacity} free)")
         raise TierUnavailableError(f"{self.label}: PUT {header.key} failed (Mooncake error {rc})")
 
+    def _check_existing(self, header: PayloadHeader) -> None:
+        """The store already holds an object under ``header``'s name: acknowledge the save only if
+        that object reads back as this payload (another worker saved the same bytes); otherwise
+        the name is squatted or stale and the save fails, naming what is there."""
+        try:
+            got = self._get(header.key, header.nbytes)
+        except IntegrityError as exc:
+            got, why = None, str(exc)
+        else:
+            why = "it disappeared before it could be read back" if got is None else ""
+        if got is not None:
+            stored, staged = got
+            try:
+                if stored.checksum == header.checksum:
+                    verify_payload(header.key, stored, host_view(staged))
+                    return
+                why = "it holds another payload under the same name (a different checksum)"
+            except IntegrityError as exc:
+                why = f"its bytes fail their checksum ({exc})"
+            finally:
+                self._pool.give(staged)
+        self.conflicts += 1
+        raise ObjectConflictError(f"{self.label}: {header.key} was not saved: the store already holds an object "
+                                  f"under its name that is not this payload: {why}")
+
     def delete(self, key: PayloadKey) -> bool:
-        """Remove a payload; waits (up to ``timeout_s``) while a read's lease holds it."""
+        """Remove a payload (True) or find it gone (False). While a read's lease holds it, retry with
+        backoff for at most ``delete_wait_s``, then remove it regardless (readers of it then miss)."""
         name = object_name(key)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.delete_wait_s
+        pause = 0.01
         while True:
-            rc = self._store.remove(name)
+            rc = self._call(f"DELETE {key}", lambda: self._store.remove(name))
             if rc == 0:
                 return True
             if rc == _OBJECT_NOT_FOUND:
                 return False
             if rc not in _BUSY:
                 raise TierUnavailableError(f"remote tier {self.address}: DELETE {key} failed (Mooncake error {rc})")
-            if time.monotonic() > deadline:
-                raise TierUnavailableError(f"remote tier {self.address}: {key} is still being read after "
-                                           f"{self.timeout_s:.0f}s; not deleted")
-            time.sleep(0.02)
+            if time.monotonic() + pause > deadline:
+                break
+            self.delete_retries += 1
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        rc = self._call(f"DELETE {key} (forced)", lambda: self._store.remove(name, True))
+        if rc in (0, _OBJECT_NOT_FOUND):
+            self.forced_deletes += 1
+            log.info("remote tier: %s removed ahead of its readers after %.1fs of leases", key, self.delete_wait_s)
+            return rc == 0
+        raise TierUnavailableError(f"remote tier {self.address}: DELETE {key} failed (Mooncake error {rc})")
 
     def clear(self) -> None:
         """Drop every NexusKV payload in the store at once, reads in progress or not (they fail
         their checks rather than see other bytes)."""
-        rc = self._store.remove_by_regex(f"^{KEY_PREFIX}", True)
+        rc = self._call("clear", lambda: self._store.remove_by_regex(f"^{KEY_PREFIX}", True))
         if rc < 0:
             raise TierUnavailableError(f"remote tier {self.address}: clear failed (Mooncake error {rc})")
+
+    def counters(self) -> dict[str, int]:
+        """What the backend refused or waited out: conflicts, deadline overruns, delete retries."""
+        calls = self._calls
+        return {"conflicts": self.conflicts, "overruns": calls.overruns, "refused_calls": calls.refused,
+                "late_returns": calls.late, "delete_retries": self.delete_retries,
+                "forced_deletes": self.forced_deletes}
 
     def close(self) -> None:
         if not getattr(self, "_closed", True):
             self._closed = True
-            self._store.close()
+            try:
+                self._call("close", self._store.close)
+            except TierUnavailableError as exc:
+                log.warning("remote tier: %s", exc)
+            self._calls.close()
         super().close()

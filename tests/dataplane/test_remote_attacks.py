@@ -32,7 +32,7 @@ import torch
 from nexuskv.dataplane import PayloadHeader, PayloadKey, RemoteBackend, verify_payload
 from nexuskv.dataplane.payload import HEADER_BYTES
 from nexuskv.dataplane.remote_store import LEASE_MS, object_name, parse_store_address
-from nexuskv.errors import IntegrityError, TierFullError, TierUnavailableError
+from nexuskv.errors import IntegrityError, ObjectConflictError, TierFullError, TierUnavailableError
 from streams.bus.process import ManagedProcess
 from streams.remote_tier import local_address
 
@@ -423,3 +423,128 @@ def _listening_ports(pid: int) -> set[int]:
 def _established(pids: list[int], port: int) -> int:
     mine = set().union(*(_socket_inodes(p) for p in pids))
     return sum(1 for p, state, inode in _tcp_rows() if p == port and state == "01" and inode in mine)
+
+
+# -- issue 23: saves acknowledged only when readable, deadlines that hold, deletes not starved ----
+
+def test_a_squatted_name_fails_the_save_and_a_same_payload_copy_is_acknowledged(store):
+    """A plain Mooncake client writes under payload A's name first (garbage; another payload's
+    header and bytes; A's header over other bytes): NexusKV's save of A fails with the reason and
+    nothing reads as A. A copy of A's own bytes saved by another worker is acknowledged."""
+    raw = _raw_client(store.address)
+    backend = RemoteBackend(store.address)
+    cases = {}
+    for i, kind in enumerate(("garbage", "relabelled", "torn")):
+        ha, da = _payload(10 + i, MIB)
+        hb, db = _payload(20 + i, MIB)
+        blob = {"garbage": bytes(HEADER_BYTES + MIB),
+                "relabelled": hb.pack() + db.numpy().tobytes(),
+                "torn": ha.pack() + db.numpy().tobytes()}[kind]
+        assert _raw_put(raw, object_name(ha.key), blob) == 0
+        with pytest.raises(ObjectConflictError, match="already holds an object under its name") as err:
+            backend.put(ha, da)
+        cases[kind] = str(err.value)
+        try:
+            header = backend.read_verified(ha.key, torch.empty(MIB, dtype=torch.uint8))
+        except IntegrityError:
+            header = None
+        assert header is None  # never read as A (a read checks header and bytes)
+    assert backend.counters()["conflicts"] == 3
+    assert "header names" in cases["relabelled"] and "checksum" in cases["torn"], cases
+    other = RemoteBackend(store.address)
+    h, d = _payload(30, MIB)
+    other.put(h, d)
+    backend.put(h, d)  # the same payload, already stored by another worker: acknowledged, and readable
+    out = torch.empty(MIB, dtype=torch.uint8)
+    assert backend.read_into(h.key, out) == h and torch.equal(out, d)
+    assert backend.counters()["conflicts"] == 3
+    raw.close()
+    other.close()
+    backend.close()
+
+
+def test_every_call_returns_within_its_deadline_while_the_transport_is_stalled(store):
+    """The process holding the store's bytes is stopped (SIGSTOP): Mooncake's client would block
+    for its own tens of seconds; every call of the backend returns within its deadline (+1 s),
+    and the backend works again once the store does."""
+    backend = RemoteBackend(store.address, timeout_s=2)
+    h, d = _payload(1, MIB)
+    backend.put(h, d)
+    master = min(store.pids())
+    segment = [p for p in store.pids() if p != master]
+    assert segment
+    for pid in segment:
+        os.kill(pid, signal.SIGSTOP)
+    took = {}
+    try:
+        h2, d2 = _payload(2, MIB)
+        calls = {"put": lambda: backend.put(h2, d2),
+                 "read": lambda: backend.read_into(h.key, torch.empty(MIB, dtype=torch.uint8)),
+                 "headers": lambda: backend.headers([h.key, h2.key]),
+                 "delete": lambda: backend.delete(h.key)}
+        for name, fn in calls.items():
+            t0 = time.monotonic()
+            try:
+                fn()
+            except TierUnavailableError:
+                pass
+            took[name] = time.monotonic() - t0
+    finally:
+        for pid in segment:
+            os.kill(pid, signal.SIGCONT)
+    assert all(t <= 2 + 1 for t in took.values()), took
+    assert backend.counters()["overruns"] >= 1, (took, backend.counters())
+    deadline = time.monotonic() + 60
+    while True:  # the store answers again: so does the backend
+        try:
+            h3, d3 = _payload(3, MIB)
+            backend.put(h3, d3)
+            break
+        except TierUnavailableError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    out = torch.empty(MIB, dtype=torch.uint8)
+    assert backend.read_into(h3.key, out) == h3 and torch.equal(out, d3)
+    backend.close()
+
+
+def test_deletes_are_not_starved_by_nonstop_readers(store):
+    """Two readers read each payload without pause (every read renews Mooncake's lease); nine
+    deletes each return within their bounded wait (+1 s), all succeed, and they are counted."""
+    backend = RemoteBackend(store.address, delete_wait_s=1.0)
+    readers = [RemoteBackend(store.address) for _ in range(2)]
+    payloads = [_payload(100 + i, MIB) for i in range(9)]
+    for h, d in payloads:
+        backend.put(h, d)
+    stop = threading.Event()
+
+    def read(client) -> None:
+        out = torch.empty(MIB, dtype=torch.uint8)
+        while not stop.is_set():
+            for h, _ in payloads:
+                try:
+                    client.read_into(h.key, out)
+                except (IntegrityError, TierUnavailableError):
+                    pass
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in readers]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    took = []
+    try:
+        for h, _ in payloads:
+            t0 = time.monotonic()
+            assert backend.delete(h.key)
+            took.append(time.monotonic() - t0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert max(took) <= 1.0 + 1.0, took
+    assert all(backend.header(h.key) is None for h, _ in payloads)
+    counts = backend.counters()
+    assert counts["delete_retries"] + counts["forced_deletes"] > 0, counts  # the readers really held leases
+    for r in readers:
+        r.close()
+    backend.close()
