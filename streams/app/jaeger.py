@@ -57,7 +57,7 @@ GO_MODULE = Path(__file__).resolve().parents[2] / "infra" / "jaeger"
 _PACKAGE = "github.com/jaegertracing/jaeger/cmd/jaeger"
 _BUILD_TIMEOUT_S = 1800.0
 # Measured with empty caches on 2 cores: about 5 min (a scratch build), 16 min beside other test runs
-# (downloading 1.1 GB of modules included); 9 s again with the caches and no binary.
+# (downloading 215 MB of modules included); 9 s again with the caches and no binary.
 _FIRST_BUILD = "the first build takes 5-16 minutes on two cores"
 
 
