@@ -11,6 +11,7 @@
     ├── IdentityError          tokens or scope cannot produce a canonical block key
     ├── IncompatibleStateError state exists but may not be reused; ``.reason`` says why
     ├── BrokerError            the event bus could not be reached, started or stopped
+    ├── JaegerError            a local Jaeger (tests' and users' trace backend) could not be built, started or asked
     └── DataPlaneError         a tier or transfer could not do what was asked
         ├── TierFullError      the tier has no room for the payload (nothing was stored)
         ├── IntegrityError     payload bytes or header do not match their checksum or address
@@ -32,6 +33,7 @@ __all__ = [
     "IdentityError",
     "IncompatibleStateError",
     "BrokerError",
+    "JaegerError",
     "DataPlaneError",
     "TierFullError",
     "IntegrityError",
@@ -108,6 +110,10 @@ class IncompatibleStateError(NexusKVError):
 
 class BrokerError(NexusKVError, RuntimeError):
     """The Kafka-protocol bus could not be reached, started or stopped."""
+
+
+class JaegerError(NexusKVError, RuntimeError):
+    """A local Jaeger could not be built (Go missing, the build failed), started or queried."""
 
 
 class DataPlaneError(NexusKVError):

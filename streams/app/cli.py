@@ -9,6 +9,8 @@ Commands:
   ``NEXUSKV_BUS_SECRET``, for an engine host's ``NEXUSKV_PUBLISHER_KEYS``.
 * ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
   Kafka) and print its URL until interrupted.
+* ``nexuskv jaeger`` — build Jaeger on first use (Go; cached), run it on loopback with memory
+  storage and print the ``NEXUSKV_OTLP_ENDPOINT`` to export to and its query API until interrupted.
 * ``nexuskv topics create|list`` — create NexusKV's topics idempotently, or list the broker's.
 * ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
 * ``nexuskv replay TRACE`` — a Mooncake trace through vLLM alone, then through vLLM + NexusKV
@@ -80,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     broker.add_argument("--apache-kafka", action="store_true", help="run Apache Kafka (KRaft) instead of Tansu")
     broker.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
     broker.set_defaults(func=_cmd_broker)
+
+    jaeger = sub.add_parser("jaeger", help="run a local Jaeger (built with Go on first use) and print its endpoints")
+    jaeger.add_argument("--otlp-http-port", type=int, default=None, help="OTLP/HTTP port (default: a free one)")
+    jaeger.add_argument("--query-port", type=int, default=None, help="query API and UI port (default: a free one)")
+    jaeger.set_defaults(func=_cmd_jaeger)
 
     topics = sub.add_parser("topics", help="create or list topics")
     topics.add_argument("action", choices=["create", "list"])
@@ -176,6 +183,20 @@ def _cmd_broker(args: argparse.Namespace, settings: Settings) -> int:
     broker = kind(port=args.port, start_timeout_s=max(settings.broker_start_timeout_s, 90 if args.apache_kafka else 0))
     with broker:
         print(broker.url, flush=True)
+        stop.wait()
+    return 0
+
+
+def _cmd_jaeger(args: argparse.Namespace, settings: Settings) -> int:
+    from streams.app.jaeger import JAEGER_VERSION, JaegerPorts, JaegerServer, provision_jaeger
+
+    binary = provision_jaeger()  # before the signal handlers: Ctrl-C stops a first build at once
+    stop = _Stop()
+    ports = JaegerPorts.free(otlp_http=args.otlp_http_port, query_http=args.query_port)
+    with JaegerServer(binary=binary, ports=ports) as jaeger:
+        print(f"nexuskv: Jaeger {JAEGER_VERSION} ready (memory storage); Ctrl-C to stop", flush=True)
+        print(f"NEXUSKV_OTLP_ENDPOINT={jaeger.otlp_http_url}", flush=True)
+        print(f"query API: {jaeger.query_url}/api/traces?service=NAME  (UI: {jaeger.ui_url})", flush=True)
         stop.wait()
     return 0
 
