@@ -13,7 +13,7 @@
 * :class:`JaegerEndpoints` is where a Jaeger is (started here or given), and asks its query API
   for a service's traces (``/api/traces``) with plain ``urllib``.
 
-The server is a child bound to its parent (:mod:`streams.process`): it never outlives NexusKV.
+The server is a child bound to its parent (:mod:`streams.bus.process`): it never outlives NexusKV.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from nexuskv.errors import BrokerError, ConfigError, JaegerError
-from streams.process import ManagedProcess
+from streams.bus.process import ManagedProcess
 
 __all__ = [
     "GO_MODULE",

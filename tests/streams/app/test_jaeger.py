@@ -151,12 +151,13 @@ _EXPORT_TWO_SPANS = """\
 import json, sys
 from opentelemetry import trace
 from nexuskv.config import Settings
-from streams.telemetry import carrier_headers, init_service, span_from_record, tracer
+from streams.bus.tracing import carrier_headers, span_from_record, tracer
+from streams.telemetry import init_service
 
 service = sys.argv[1]
 init_service(service, Settings.from_env())
 with tracer(service).start_as_current_span("plan-request", attributes={"nexuskv.request_id": "req-7"}) as parent:
-    headers = carrier_headers()  # what streams.bus.send puts on a Kafka record
+    headers = carrier_headers()  # what streams.bus.clients.send puts on a Kafka record
     with span_from_record(service, "decide", headers, {"nexuskv.action": "recompute", "nexuskv.eg_s": -0.25}) as child:
         pass
 trace.get_tracer_provider().shutdown()  # flushes the batch exporter
