@@ -21,60 +21,29 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from nexuskv.dataplane import PayloadHeader, PayloadKey, RemoteBackend, verify_payload
+from nexuskv.dataplane import PayloadKey, RemoteBackend, verify_payload
 from nexuskv.dataplane.payload import HEADER_BYTES
 from nexuskv.dataplane.remote_store import LEASE_MS, object_name, parse_store_address
 from nexuskv.errors import IntegrityError, ObjectConflictError, TierFullError, TierUnavailableError
-from streams.bus.process import ManagedProcess
-from streams.remote_tier import local_address
+
+from tests.dataplane.remote_stores import (
+    DID,
+    MIB,
+    Store,
+    established,
+    payload,
+    raw_client,
+    raw_put,
+)
 
 pytestmark = pytest.mark.slow
 
-DID = "sd1-" + "a" * 32
-MIB = 1 << 20
-
-
-class Store:
-    """One store of ``capacity`` bytes in its own supervisor process."""
-
-    def __init__(self, tmp_path: Path, capacity: int) -> None:
-        self.address = local_address()
-        env = dict(os.environ, NEXUSKV_REMOTE_TIER_BYTES=str(capacity), NEXUSKV_DATA_DIR=str(tmp_path))
-        self.proc = ManagedProcess([sys.executable, "-m", "streams.remote_tier", "--listen", self.address],
-                                   name="attacked-store", log_path=tmp_path / "store.log", env=env)
-        self.proc.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                RemoteBackend(self.address, timeout_s=2).close()
-                break
-            except TierUnavailableError:
-                assert self.proc.alive() and time.monotonic() < deadline, self.proc.log_tail()
-                time.sleep(0.2)
-
-    def pids(self) -> list[int]:
-        """The processes that hold the payloads and answer the connections (not the supervisor)."""
-        return sorted(_children(self.proc.pid))
-
-    def rss(self) -> int:
-        return sum(_status(p, "VmRSS") for p in self.pids()) * 1024
-
-    def threads(self) -> int:
-        return sum(_status(p, "Threads") for p in self.pids())
-
-    def ports(self) -> list[int]:
-        return sorted({port for p in self.pids() for port in _listening_ports(p)})
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 @pytest.fixture
@@ -84,37 +53,14 @@ def store(tmp_path):
     s.stop()
 
 
-def _payload(key: int, n: int, seed: int | None = None) -> tuple[PayloadHeader, torch.Tensor]:
-    g = torch.Generator().manual_seed(key if seed is None else seed)
-    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-    return PayloadHeader.for_data(PayloadKey(DID, key), data.numpy()), data
-
-
-def _raw_client(address: str):
-    """A plain Mooncake client: what another program (or a buggy one) could write to the store."""
-    from mooncake.store import MooncakeDistributedStore
-
-    addr = parse_store_address(address)
-    raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", addr.master) == 0
-    return raw
-
-
-def _raw_put(raw, name: str, blob: bytes) -> int:
-    import numpy as np
-
-    buf = np.frombuffer(blob, dtype=np.uint8).copy()
-    return raw.put_from(name, buf.ctypes.data, buf.nbytes)
-
-
 # -- (5) -----------------------------------------------------------------------------------------
 
 def test_a_delete_racing_a_read_never_yields_another_payloads_bytes(store):
     """Readers read A in bursts while a writer deletes A and saves B (same size, so freed memory
     is what B would get) and A again. Every read either misses or verifies as A."""
     n = 4 * MIB
-    ha, da = _payload(1, n)
-    others = [_payload(100 + i, n) for i in range(4)]
+    ha, da = payload(1, n)
+    others = [payload(100 + i, n) for i in range(4)]
     writer, reader = RemoteBackend(store.address, timeout_s=3), RemoteBackend(store.address, timeout_s=3)
     writer.put(ha, da)
     counts = {"verified": 0, "missed": 0, "foreign": 0, "deleted": 0, "busy": 0}
@@ -176,9 +122,9 @@ def test_a_delete_racing_a_read_never_yields_another_payloads_bytes(store):
 def test_a_removal_during_a_read_lease_is_refused_by_the_store(store):
     """The mechanism behind the test above: Mooncake will not free an object a read holds."""
     backend = RemoteBackend(store.address)
-    h, d = _payload(1, MIB)
+    h, d = payload(1, MIB)
     backend.put(h, d)
-    raw = _raw_client(store.address)
+    raw = raw_client(store.address)
     assert backend.read_into(h.key, torch.empty(MIB, dtype=torch.uint8)) == h
     assert raw.remove(object_name(h.key)) == -706  # OBJECT_HAS_LEASE
     t0 = time.monotonic()
@@ -192,9 +138,9 @@ def test_relabelled_and_torn_objects_are_misses_never_data(store):
     """Objects written behind NexusKV's back under A's name: B's header and bytes (relabelled), A's
     header with B's bytes (torn), a header of the wrong size, garbage. None reads as A."""
     backend = RemoteBackend(store.address)
-    ha, da = _payload(1, MIB)
-    hb, db = _payload(2, MIB)
-    raw = _raw_client(store.address)
+    ha, da = payload(1, MIB)
+    hb, db = payload(2, MIB)
+    raw = raw_client(store.address)
     name = object_name(ha.key)
     cases = {
         "relabelled": hb.pack() + db.numpy().tobytes(),
@@ -204,7 +150,7 @@ def test_relabelled_and_torn_objects_are_misses_never_data(store):
     }
     for case, blob in cases.items():
         raw.remove(name, True)
-        assert _raw_put(raw, name, blob) == 0, case
+        assert raw_put(raw, name, blob) == 0, case
         header = backend.header(ha.key)
         assert header is None or header == ha, case
         out = torch.empty(MIB, dtype=torch.uint8)
@@ -234,12 +180,12 @@ def test_freed_and_rejected_saves_keep_no_memory(store):
     before = store.rss()
     for i in range(60):
         n = 6 * MIB + i * 4096
-        h, d = _payload(i, n, seed=1)
+        h, d = payload(i, n, seed=1)
         backend.put(h, d)
         assert backend.delete(h.key)
     after_cycles = store.rss()
-    big_h, big_d = _payload(999, 40 * MIB)
-    filler = [_payload(500 + i, 8 * MIB, seed=2) for i in range(5)]
+    big_h, big_d = payload(999, 40 * MIB)
+    filler = [payload(500 + i, 8 * MIB, seed=2) for i in range(5)]
     for h, d in filler:
         backend.put(h, d)
     for _ in range(20):
@@ -256,7 +202,7 @@ def test_half_sent_requests_allocate_nothing(store):
     """64 connections to every port of the store each send 20 bytes of a header that announces
     16 MiB to 16 GiB more, then wait: the store allocates nothing for them and keeps serving."""
     backend = RemoteBackend(store.address)
-    h, d = _payload(1, MIB)
+    h, d = payload(1, MIB)
     backend.put(h, d)
     before = store.rss()
     heads = [struct.pack(">4sB3xIQ", b"NKVR", 2, 1 << 24, 0)[:20],  # the old server's frame header
@@ -289,18 +235,18 @@ def test_idle_connections_cost_no_thread_and_little_memory_each(store):
     idle connections out: they are bounded by the machine's open-file limit only; see
     benchmarks/README.md, "Remote tier attacks".)"""
     backend = RemoteBackend(store.address)
-    h, d = _payload(1, MIB)
+    h, d = payload(1, MIB)
     backend.put(h, d)
     threads_before, rss_before = store.threads(), store.rss()
     master_port = parse_store_address(store.address).port
     socks = [socket.create_connection(("127.0.0.1", master_port), timeout=2) for _ in range(600)]
     try:
         time.sleep(1)
-        held = _established(store.pids(), master_port)
+        held = established(store.pids(), master_port)
         threads_flooded, rss_flooded = store.threads(), store.rss()
         out = torch.empty(MIB, dtype=torch.uint8)
         assert backend.read_into(h.key, out) == h and torch.equal(out, d)  # the established client goes on
-        h2, d2 = _payload(2, MIB)
+        h2, d2 = payload(2, MIB)
         backend.put(h2, d2)
         late = RemoteBackend(store.address, timeout_s=5)  # a new client joins during the flood
         assert late.get(h2.key)[0] == h2
@@ -344,20 +290,20 @@ def test_objects_with_malformed_descriptor_ids_in_the_store_are_ignored_by_name(
     line-breaking descriptor id, written by another client: the store keeps answering, the tier
     lists only real payloads (a warning says how many it ignored), and saves and reads go on."""
     backend = RemoteBackend(store.address)
-    h, d = _payload(1, 4096)
+    h, d = payload(1, 4096)
     backend.put(h, d)
-    raw = _raw_client(store.address)
+    raw = raw_client(store.address)
     hex_key = f"{7:032x}"
     hostile = [f"nexuskv/p/0/{hex_key}/", "nexuskv/p/0/" + hex_key + "/d\u00e9j\u00e0",
                "nexuskv/p/0/" + hex_key + "/nul\x00byte", "nexuskv/p/0/" + hex_key + "/" + "a" * 5000,
                "nexuskv/p/1/" + hex_key + "/x\n" + object_name(PayloadKey(DID, 8)),
                "nexuskv/p/99999999999/" + hex_key + "/x", "nexuskv/p/0/zz/x"]
     for name in hostile:
-        assert _raw_put(raw, name, b"hostile") == 0, name
+        assert raw_put(raw, name, b"hostile") == 0, name
     with caplog.at_level(logging.WARNING, logger="nexuskv.dataplane.remote"):
         assert backend.keys() == [h.key]
     assert "not named like NexusKV payloads" in caplog.text
-    h2, d2 = _payload(2, 4096)
+    h2, d2 = payload(2, 4096)
     backend.put(h2, d2)
     assert sorted(backend.keys()) == sorted([h.key, h2.key])
     assert backend.get(h.key)[0] == h and backend.get(PayloadKey(DID, 8)) is None
@@ -369,78 +315,22 @@ def test_objects_with_malformed_descriptor_ids_in_the_store_are_ignored_by_name(
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def _children(pid: int) -> set[int]:
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.add(int(entry))
-    return kids
-
-
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
-
-
-def _tcp_rows():
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                next(fh)
-                for line in fh:
-                    f = line.split()
-                    yield int(f[1].rsplit(":", 1)[1], 16), f[3], f[9]  # local port, state, inode
-        except FileNotFoundError:
-            continue
-
-
-def _listening_ports(pid: int) -> set[int]:
-    mine = _socket_inodes(pid)
-    return {port for port, state, inode in _tcp_rows() if state == "0A" and inode in mine}
-
-
-def _established(pids: list[int], port: int) -> int:
-    mine = set().union(*(_socket_inodes(p) for p in pids))
-    return sum(1 for p, state, inode in _tcp_rows() if p == port and state == "01" and inode in mine)
-
-
 # -- issue 23: saves acknowledged only when readable, deadlines that hold, deletes not starved ----
 
 def test_a_squatted_name_fails_the_save_and_a_same_payload_copy_is_acknowledged(store):
     """A plain Mooncake client writes under payload A's name first (garbage; another payload's
     header and bytes; A's header over other bytes): NexusKV's save of A fails with the reason and
     nothing reads as A. A copy of A's own bytes saved by another worker is acknowledged."""
-    raw = _raw_client(store.address)
+    raw = raw_client(store.address)
     backend = RemoteBackend(store.address)
     cases = {}
     for i, kind in enumerate(("garbage", "relabelled", "torn")):
-        ha, da = _payload(10 + i, MIB)
-        hb, db = _payload(20 + i, MIB)
+        ha, da = payload(10 + i, MIB)
+        hb, db = payload(20 + i, MIB)
         blob = {"garbage": bytes(HEADER_BYTES + MIB),
                 "relabelled": hb.pack() + db.numpy().tobytes(),
                 "torn": ha.pack() + db.numpy().tobytes()}[kind]
-        assert _raw_put(raw, object_name(ha.key), blob) == 0
+        assert raw_put(raw, object_name(ha.key), blob) == 0
         with pytest.raises(ObjectConflictError, match="already holds an object under its name") as err:
             backend.put(ha, da)
         cases[kind] = str(err.value)
@@ -452,7 +342,7 @@ def test_a_squatted_name_fails_the_save_and_a_same_payload_copy_is_acknowledged(
     assert backend.counters()["conflicts"] == 3
     assert "header names" in cases["relabelled"] and "checksum" in cases["torn"], cases
     other = RemoteBackend(store.address)
-    h, d = _payload(30, MIB)
+    h, d = payload(30, MIB)
     other.put(h, d)
     backend.put(h, d)  # the same payload, already stored by another worker: acknowledged, and readable
     out = torch.empty(MIB, dtype=torch.uint8)
@@ -468,7 +358,7 @@ def test_every_call_returns_within_its_deadline_while_the_transport_is_stalled(s
     for its own tens of seconds; every call of the backend returns within its deadline (+1 s),
     and the backend works again once the store does."""
     backend = RemoteBackend(store.address, timeout_s=2)
-    h, d = _payload(1, MIB)
+    h, d = payload(1, MIB)
     backend.put(h, d)
     master = min(store.pids())
     segment = [p for p in store.pids() if p != master]
@@ -477,7 +367,7 @@ def test_every_call_returns_within_its_deadline_while_the_transport_is_stalled(s
         os.kill(pid, signal.SIGSTOP)
     took = {}
     try:
-        h2, d2 = _payload(2, MIB)
+        h2, d2 = payload(2, MIB)
         calls = {"put": lambda: backend.put(h2, d2),
                  "read": lambda: backend.read_into(h.key, torch.empty(MIB, dtype=torch.uint8)),
                  "headers": lambda: backend.headers([h.key, h2.key]),
@@ -497,7 +387,7 @@ def test_every_call_returns_within_its_deadline_while_the_transport_is_stalled(s
     deadline = time.monotonic() + 60
     while True:  # the store answers again: so does the backend
         try:
-            h3, d3 = _payload(3, MIB)
+            h3, d3 = payload(3, MIB)
             backend.put(h3, d3)
             break
         except TierUnavailableError:
@@ -513,7 +403,7 @@ def test_deletes_are_not_starved_by_nonstop_readers(store):
     deletes each return within their bounded wait (+1 s), all succeed, and they are counted."""
     backend = RemoteBackend(store.address, delete_wait_s=1.0)
     readers = [RemoteBackend(store.address) for _ in range(2)]
-    payloads = [_payload(100 + i, MIB) for i in range(9)]
+    payloads = [payload(100 + i, MIB) for i in range(9)]
     for h, d in payloads:
         backend.put(h, d)
     stop = threading.Event()
