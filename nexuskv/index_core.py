@@ -136,7 +136,8 @@ class PyCore:
         self._pub_locs: list[list[int]] = []
         self._loc_pub: list[int] = []
         self._members: list[set[_Block]] = []
-        self._scopes: list[list[int]] = []  # [blocks, live]
+        self._scopes: list[list[int]] = []  # [blocks, live, serial]
+        self._serials = 0
         self._free_scopes: list[int] = []
         self._dirty: list[int] = []
         self._sets: dict[frozenset[int], frozenset[int]] = {}
@@ -155,17 +156,18 @@ class PyCore:
         self._pub_locs[publisher].append(len(self._loc_pub) - 1)
         return len(self._loc_pub) - 1
 
-    def add_scope(self, salt: bytes) -> int:
+    def add_scope(self, salt: bytes) -> tuple[int, int]:
         if len(salt) != 16:
             raise ValueError("salt: 16 bytes")
+        self._serials += 1
         if self._free_scopes:
             sid = self._free_scopes.pop()
-            self._scopes[sid] = [0, 1]
+            self._scopes[sid] = [0, 1, self._serials]
         else:
             sid = len(self._scopes)
-            self._scopes.append([0, 1])
+            self._scopes.append([0, 1, self._serials])
         self._dirty.append(sid)
-        return sid
+        return sid, self._serials
 
     def presize(self, blocks: int) -> None:
         """Dicts size themselves; nothing to do."""
@@ -307,7 +309,10 @@ class PyCore:
         b = self._engine[publisher].get(engine_hash)
         return b.key.to_bytes(16, "big") if self._valid(b, publisher) else None
 
-    def lookup(self, sid: int, keys: Any) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+    def lookup(self, sid: int, keys: Any, serial: int | None = None) -> list[tuple[int, int, tuple[tuple[int, int], ...]]] | None:
+        if serial is not None and not (0 <= sid < len(self._scopes) and self._scopes[sid][1]
+                                       and self._scopes[sid][2] == serial):
+            return None
         self._scope(sid)
         get = self._blocks.get
         present = []

@@ -146,7 +146,7 @@ def test_core_matches_a_model_through_growth_removals_clears_and_shrinking(backe
     core = make_core(backend, bytes(32))
     pub = core.add_publisher()
     gpu, host = core.add_location(pub), core.add_location(pub)
-    scopes = [core.add_scope(bytes([i]) * 16) for i in range(3)]
+    scopes = [core.add_scope(bytes([i]) * 16)[0] for i in range(3)]
     blocks: dict[tuple[int, bytes], set[int]] = {}  # (scope, key) -> locations
     entry: dict[int, tuple[int, bytes]] = {}  # engine hash -> block, valid while the block is held
 

@@ -39,7 +39,7 @@ def test_malformed_input_is_refused_and_changes_nothing(backend):
     core = make_core(backend, bytes(32))
     pub = core.add_publisher()
     loc = core.add_location(pub)
-    sid = core.add_scope(b"s" * 16)
+    sid, _serial = core.add_scope(b"s" * 16)
     with pytest.raises(ValueError):
         core.store(pub, loc, sid, b"x" * 17, [1])  # not whole keys
     with pytest.raises(ValueError):
