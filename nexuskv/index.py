@@ -37,15 +37,16 @@ match it contributes is ``certain=False``, a miss for the planner) until it resy
 ``AllCleared`` or a clean ``Snapshot``. **Checkpoints** (one per stream partition) are in the
 format of :mod:`nexuskv.index_checkpoint`.
 
-**Memory.** The storage is :mod:`nexuskv.index_core`'s (the native core by default: 128-bit
-mixed key, scope, location-set id and block id per table slot, an 8-byte id record per block, a
-16-byte entry per engine hash, a 4-byte member-list entry per membership; tables kept between 60%
-and 90% full). ``max_memberships`` bounds the (block, location) memberships; past it the index
-*forgets* blocks with the ``sweep`` policy: it walks the block table from a rotating cursor (slot
-order is a seeded hash order, so this is a uniform sample of blocks, whatever their age) and
-drops whole blocks until it is 1/16 below the bound. Forgotten memberships and blocks are
-counted; a forgotten fact is a miss, never a wrong hit. Note that when forgetting happens, which
-blocks are forgotten depends on the order in which publishers' batches arrived.
+**Memory.** The storage is :mod:`nexuskv.index_core`'s native core (128-bit mixed key, scope,
+location-set id and slot generation per table slot, a 16-byte entry per engine hash, a 4-byte
+member-list entry per membership; tables kept between 60% and 90% full). It is required: an index
+built where ``nexuskv._native`` is missing raises :class:`~nexuskv.index_core.NativeUnavailable`,
+naming the build command. ``max_memberships`` bounds the (block, location) memberships; past it the
+index *forgets* blocks with the ``sweep`` policy: it walks the block table from a rotating cursor
+(slot order is a seeded hash order, so this is a uniform sample of blocks, whatever their age) and
+drops whole blocks until it is 1/16 below the bound. Forgotten memberships and blocks are counted;
+a forgotten fact is a miss, never a wrong hit. Note that when forgetting happens, which blocks are
+forgotten depends on the order in which publishers' batches arrived.
 
 **Bounded side tables.** A scope lives while it holds a block (vLLM's cache salt is per request:
 every salt is a scope); past ``max_scopes`` live scopes the least recently used 1/16 of them are
@@ -89,11 +90,10 @@ unless ``expected_blocks`` sized the block table up front.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -115,7 +115,7 @@ from nexuskv.identity import KEY_BYTES, BlockKeyer, IdentityScope
 from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
 from nexuskv.index_checkpoint import decode as decode_checkpoint
 from nexuskv.index_checkpoint import encode as encode_checkpoint
-from nexuskv.index_core import make_core, resolve_backend
+from nexuskv.index_core import make_core
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
@@ -243,27 +243,23 @@ def _derive(secret: bytes, seed: bytes | None) -> tuple[bytes, bytes]:
 class GlobalIndex:
     """Canonical blocks by location, per identity scope; see the module docstring.
 
-    ``backend``: ``"native"`` (``nexuskv._native``), ``"python"``
-    (:class:`~nexuskv.index_core.PyCore`; same answers) or ``"auto"`` (the default: native when
-    built, else python with a warning). ``seed``: randomness for the tables'
-    hash functions and the scopes' salts (services pass ``os.urandom(32)``; default: derived
-    from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
+    ``seed``: randomness for the tables' hash functions and the scopes' salts (services pass
+    ``os.urandom(32)``; default: derived from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
     are forgotten. ``expected_blocks``: size the block table for that many blocks up front (about
     40 bytes each, allocated lazily by the OS), so no apply below it pays for growing the table.
     """
 
-    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "auto",
-                 seed: bytes | None = None, max_scopes: int = MAX_SCOPES, expected_blocks: int = 0) -> None:
+    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", seed: bytes | None = None,
+                 max_scopes: int = MAX_SCOPES, expected_blocks: int = 0) -> None:
         if max_memberships < 1:
             raise ValueError("max_memberships must be positive")
         if not 1 <= max_scopes <= MAX_SCOPES:
             raise ValueError(f"max_scopes must be in [1, {MAX_SCOPES}]")
         self.max_memberships = max_memberships
         self.max_scopes = max_scopes
-        self.backend = resolve_backend(backend)
         self._secret = secret
         core_seed, self._salt_key = _derive(secret, seed)
-        self._core = make_core(self.backend, core_seed)
+        self._core = make_core(core_seed)
         if expected_blocks > 0:
             self._core.presize(expected_blocks)
         self._scope_ids: dict[IdentityScope, tuple[int, int]] = {}  # scope -> (core scope id, its serial)
@@ -638,7 +634,7 @@ class GlobalIndex:
             forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
             publishers=len(self._pubs), uncertain_publishers=sum(not p.certain for p in self._pub_list),
             max_memberships=self.max_memberships, nbytes=self.nbytes, scopes=len(self._scopes),
-            forgotten_scopes=c.forgotten_scopes, backend=self.backend, core_nbytes=self._core.nbytes,
+            forgotten_scopes=c.forgotten_scopes, backend="native", core_nbytes=self._core.nbytes,
         )
 
     def facts(self) -> dict[tuple[str, Tier, int], set[tuple[IdentityScope, int]]]:

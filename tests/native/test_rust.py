@@ -30,7 +30,8 @@ def _cargo() -> str:
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CARGO_TARGET_DIR": str(CRATE / "target" / "pytest"), "CARGO_TERM_COLOR": "never"}
-    return subprocess.run([_cargo(), *args], cwd=CRATE, env=env, capture_output=True, text=True, timeout=1800)
+    return subprocess.run([_cargo(), *args], cwd=CRATE, env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
 
 
 def _tail(done: subprocess.CompletedProcess) -> str:

@@ -15,9 +15,10 @@ import threading
 
 import pytest
 
+from nexuskv._native import Core
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, PublisherIdentity
 from nexuskv.index import GlobalIndex, KeyedBlocks
-from nexuskv._native import Core
+
 from tests.factories import publisher_identity, scope
 
 READERS = 3
