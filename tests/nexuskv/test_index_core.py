@@ -68,3 +68,13 @@ def test_a_lookup_naming_a_freed_scope_by_its_serial_answers_none():
     assert again == sid and later != serial
     assert core.lookup(sid, b"k" * 16, serial) is None, "the id names another scope now"
     assert core.lookup(sid, b"k" * 16, later) == [(loc, 1, ())]
+
+
+def test_a_presize_past_32_bit_slot_ids_is_refused_before_anything_changes():
+    core = make_core(bytes(32))
+    with pytest.raises(ValueError, match="32-bit slot ids"):
+        core.presize(1 << 40)
+    with pytest.raises(ValueError, match="32-bit slot ids"):
+        GlobalIndex(expected_blocks=1 << 40)
+    core.presize(1000)  # the core still works
+    assert core.add_publisher() == 0 and core.blocks == 0

@@ -10,14 +10,15 @@ mod core;
 mod sets;
 mod tables;
 
-use pyo3::buffer::PyBuffer;
 use std::sync::{RwLock, TryLockError};
 
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOverflowError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use crate::core::Core;
+use crate::core::{Core, MAX_LOAD};
+use crate::tables::BlockTable;
 
 fn be_key(b: &[u8]) -> (u64, u64) {
     let hi = u64::from_be_bytes(b[0..8].try_into().expect("8 bytes"));
@@ -323,6 +324,12 @@ impl PyCore {
 
     /// Size the block table for `blocks` blocks now, so growing to them rebuilds nothing.
     fn presize(&self, py: Python<'_>, blocks: usize) -> PyResult<()> {
+        let most = BlockTable::max_keys(MAX_LOAD);
+        if blocks > most {
+            return Err(PyValueError::new_err(format!(
+                "presize: {blocks} blocks is more than a block table holds with 32-bit slot ids ({most})"
+            )));
+        }
         self.write(py, |c| {
             c.presize(blocks);
             Ok(())

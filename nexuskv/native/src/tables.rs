@@ -243,6 +243,13 @@ fn buckets_for(keys: usize, max_load: f64, growth: f64, what: &str) -> usize {
     checked_buckets(n.max(8), what)
 }
 
+impl BlockTable {
+    /// The most blocks a table can be sized for (`presize`) within [`MAX_BUCKETS`].
+    pub fn max_keys(max_load: f64) -> usize {
+        ((MAX_BUCKETS - 1) as f64 * WAYS as f64 * (max_load / BLOCK_GROWTH)) as usize
+    }
+}
+
 /// Both tables grow 1.5x at a time: between 60% and 90% full, whatever the size.
 const BLOCK_GROWTH: f64 = 1.5;
 const ENGINE_GROWTH: f64 = 1.5;
@@ -940,6 +947,13 @@ mod tests {
         e2.rebuild(100_000, |_, _| true);
         let differ = (0..1000u64).filter(|&h| e1.home(h) != e2.home(h)).count();
         assert!(differ > 990, "engine maps' buckets follow their seed ({differ} of 1000 moved)");
+    }
+
+    #[test]
+    fn the_largest_presize_fits_and_one_more_does_not() {
+        let most = BlockTable::max_keys(0.9);
+        assert!(buckets_for(most, 0.9, BLOCK_GROWTH, "t") <= MAX_BUCKETS);
+        assert!(std::panic::catch_unwind(|| buckets_for(most + most / 100, 0.9, BLOCK_GROWTH, "t")).is_err());
     }
 
     #[test]
