@@ -1,7 +1,7 @@
 """Index figures: in-process ingest, lookup latency at 1M resident blocks, bytes per membership.
 
-Each against the plain dict-of-sets index (:class:`nexuskv.reference_index.ReferenceIndex`) in
-the same run, on the same inputs.
+Each against the plain dict-of-sets index (``ReferenceIndex``, the index's test oracle in
+``tests/oracles/reference_index.py``) in the same run, on the same inputs.
 
 * ``index_ingest_inprocess`` — block operations per second on one core applying the Mooncake
   conversation replay (``benchmarks/trace_events.py``; first ``--requests`` requests, 8 workers, 16-token
@@ -33,10 +33,10 @@ from nexuskv.contracts.kv_events import BlockStored, KvEventBatch, PublisherIden
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
-from nexuskv.reference_index import ReferenceIndex
 
 from benchmarks._result import Run, write_result
 from benchmarks.trace_events import TraceReplay, load_trace
+from tests.oracles.reference_index import ReferenceIndex
 
 SECRET = b"bench"
 BS = 16

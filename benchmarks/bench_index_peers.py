@@ -23,6 +23,9 @@ of 8 workers), sent to each index as stored-block events of at most 4,096 blocks
   ``find_matches`` queued after the last event returns (the tree applies on its own thread).
 * **dict** — the fair in-Python baseline: one dict from 128-bit key to an interned frozenset of
   locations, ingest and lookup in plain Python, answering per location with prefix and extents.
+  Its answer is put together by the index oracle's run merging
+  (``tests/oracles/reference_index.py``: :func:`location_runs`, :func:`prefix_and_extents`), the
+  plain statement of what the native core computes, instead of a copy of it here.
 
 Queries: an 8K-token prompt of 16-token blocks (512 keys): the first 384 blocks of one of the 24
 long prompts (a prefix hit) and 128 blocks that exist nowhere, rotating over the long prompts;
@@ -62,6 +65,7 @@ from nexuskv.identity import IdentityScope
 from nexuskv.index import GlobalIndex, KeyedBlocks
 
 from benchmarks._result import Run, write_result
+from tests.oracles.reference_index import location_runs, prefix_and_extents
 
 BS = 16
 WORKERS = 8
@@ -210,27 +214,8 @@ class DictIndex:
 
     def lookup(self, keys: list[int]) -> list[tuple[tuple[int, str], int, tuple[tuple[int, int], ...]]]:
         get, empty = self.blocks.get, frozenset()
-        present = [get(k, empty) for k in keys]
-        runs: dict[tuple[int, str], list[list[int]]] = {}
-        n, i = len(present), 0
-        while i < n:
-            s, j = present[i], i + 1
-            while j < n and present[j] is s:
-                j += 1
-            for loc in s:
-                got = runs.get(loc)
-                if got is None:
-                    runs[loc] = [[i, j]]
-                elif got[-1][1] == i:
-                    got[-1][1] = j
-                else:
-                    got.append([i, j])
-            i = j
-        out = []
-        for loc, got in sorted(runs.items()):
-            prefix = got[0][1] if got[0][0] == 0 else 0
-            out.append((loc, prefix, tuple((s, e) for s, e in (got[1:] if prefix else got))))
-        return out
+        runs = location_runs([get(k, empty) for k in keys])
+        return [(loc, *prefix_and_extents(got)) for loc, got in sorted(runs.items())]
 
 
 def key_ints(raw: bytes) -> list[int]:

@@ -37,20 +37,48 @@ match it contributes is ``certain=False``, a miss for the planner) until it resy
 ``AllCleared`` or a clean ``Snapshot``. **Checkpoints** (one per stream partition) are in the
 format of :mod:`nexuskv.index_checkpoint`.
 
-**Memory.** The storage is :mod:`nexuskv.index_core`'s (the native core by default: 128-bit
-mixed key, scope, location-set id and block id per table slot, an 8-byte id record per block, a
-16-byte entry per engine hash, a 4-byte member-list entry per membership; tables kept between 60%
-and 90% full). ``max_memberships`` bounds the (block, location) memberships; past it the index
-*forgets* blocks with the ``sweep`` policy: it walks the block table from a rotating cursor (slot
-order is a seeded hash order, so this is a uniform sample of blocks, whatever their age) and
-drops whole blocks until it is 1/16 below the bound. Forgotten memberships and blocks are
-counted; a forgotten fact is a miss, never a wrong hit. Note that when forgetting happens, which
-blocks are forgotten depends on the order in which publishers' batches arrived.
+**Memory.** The storage is :mod:`nexuskv.index_core`'s native core (128-bit mixed key, scope,
+location-set id and slot generation per table slot, a 16-byte entry per engine hash, a 4-byte
+member-list entry per membership; tables kept between 60% and 90% full). It is required: an index
+built where ``nexuskv._native`` is missing raises :class:`~nexuskv.index_core.NativeUnavailable`,
+naming the build command. ``max_memberships`` bounds the (block, location) memberships; past it the
+index *forgets* blocks with the ``sweep`` policy: it walks the block table from a rotating cursor
+(slot order is a seeded hash order, so this is a uniform sample of blocks, whatever their age) and
+drops whole blocks until it is 1/16 below the bound. Forgotten memberships and blocks are counted;
+a forgotten fact is a miss, never a wrong hit. Note that when forgetting happens, which blocks are
+forgotten depends on the order in which publishers' batches arrived.
 
 **Bounded side tables.** A scope lives while it holds a block (vLLM's cache salt is per request:
 every salt is a scope); past ``max_scopes`` live scopes the least recently used 1/16 of them are
-forgotten with their blocks (counted as forgotten). Keyers are cached for the 256 most recent
-(scope, block size) pairs.
+forgotten with their blocks (counted as forgotten); a lookup counts as a use. Keyers are cached
+for up to 256 (scope, block size) pairs (the cache is emptied when full).
+
+**Threads.** One thread writes: :meth:`~GlobalIndex.apply`, :meth:`~GlobalIndex.apply_events`,
+the ``*_steps`` generators, :meth:`~GlobalIndex.mark_uncertain`, :meth:`~GlobalIndex.checkpoint`
+and :meth:`~GlobalIndex.restore` are called from one thread at a time (the event loop that
+applies events), never concurrently with each other. These may be called from any other threads
+at the same time as those writes (the node's index sidecar answers engine asks from a thread):
+
+* :meth:`~GlobalIndex.lookup` and :meth:`~GlobalIndex.lookup_tokens`. The native lookup holds
+  the core's read lock with the GIL released, so it sees the core between two of the writer's
+  core calls: a state the index went through (the state after some of a batch's events, as
+  :meth:`~GlobalIndex.apply_steps` describes). On the Python side it only reads, or does single
+  dict and deque operations (atomic under the GIL): the scope's id and serial (a scope freed and
+  its id reused by another scope meanwhile answers nothing, never the other scope's blocks),
+  the locations and publishers (lists that only grow), the match cache (a dict emptied when
+  full, replaced when a publisher's locations move to its worker), the keyer cache, and the
+  deque of scope uses the writer applies to its LRU order later. Certainty is read after the
+  core answered; a publisher that may have become certain meanwhile (a resync, a restore: the
+  writer keeps a counter odd while one is under way) makes the lookup try again, and after
+  four tries it answers with every match uncertain. So a match is reported certain only when
+  its publisher was certain at the state the facts come from; a match may be reported
+  uncertain that was certain an instant before (a miss is always safe).
+* :meth:`~GlobalIndex.publisher_status`, :meth:`~GlobalIndex.publishers`,
+  :attr:`~GlobalIndex.memberships`, :attr:`~GlobalIndex.nbytes` and :meth:`~GlobalIndex.stats`:
+  each value is read whole, but together they are not one snapshot (counters may be mid-batch).
+
+Not safe concurrently with writes: :meth:`~GlobalIndex.facts` (a scope it names may be freed
+meanwhile), and any second writer.
 
 **Cost.** Every operation costs what it touches: a store, removal or tier event its blocks; a
 clear the memberships it removes (per-location member lists), never the whole index; a lookup
@@ -63,7 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -87,7 +115,7 @@ from nexuskv.identity import KEY_BYTES, BlockKeyer, IdentityScope
 from nexuskv.index_checkpoint import CHECKPOINT_VERSION, IndexCheckpoint, PublisherCheckpoint
 from nexuskv.index_checkpoint import decode as decode_checkpoint
 from nexuskv.index_checkpoint import encode as encode_checkpoint
-from nexuskv.index_core import make_core, resolve_backend
+from nexuskv.index_core import make_core
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 from nexuskv.publishers import Publishers, PublisherState, PublisherStatus
 
@@ -98,6 +126,9 @@ FORGET_POLICY = "sweep"
 _MATCH_CACHE_MAX = 1 << 16
 _KEYER_CACHE_MAX = 256
 _EVENT_SCOPE_CACHE_MAX = 256
+_TOUCHES_MAX = 1 << 14  # scope uses not yet applied to the LRU order (lookups in other threads while the writer idles)
+_TOUCHES_DRAIN = 1 << 10  # the writer applies them to the LRU order past this many
+_LOOKUP_TRIES = 4  # a lookup that overlapped a publisher becoming certain this many times answers uncertain
 MAX_SCOPES = 65_535  # the core stores scope ids in 16 bits
 
 
@@ -212,33 +243,30 @@ def _derive(secret: bytes, seed: bytes | None) -> tuple[bytes, bytes]:
 class GlobalIndex:
     """Canonical blocks by location, per identity scope; see the module docstring.
 
-    ``backend``: ``"native"`` (``nexuskv._native``), ``"python"``
-    (:class:`~nexuskv.index_core.PyCore`; same answers) or ``"auto"`` (the default: native when
-    built, else python with a warning). ``seed``: randomness for the tables'
-    hash functions and the scopes' salts (services pass ``os.urandom(32)``; default: derived
-    from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
+    ``seed``: randomness for the tables' hash functions and the scopes' salts (services pass
+    ``os.urandom(32)``; default: derived from ``secret``). ``max_scopes``: live identity scopes kept before the least recently used
     are forgotten. ``expected_blocks``: size the block table for that many blocks up front (about
     40 bytes each, allocated lazily by the OS), so no apply below it pays for growing the table.
     """
 
-    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", backend: str = "auto",
-                 seed: bytes | None = None, max_scopes: int = MAX_SCOPES, expected_blocks: int = 0) -> None:
+    def __init__(self, *, max_memberships: int = 16_000_000, secret: bytes = b"", seed: bytes | None = None,
+                 max_scopes: int = MAX_SCOPES, expected_blocks: int = 0) -> None:
         if max_memberships < 1:
             raise ValueError("max_memberships must be positive")
         if not 1 <= max_scopes <= MAX_SCOPES:
             raise ValueError(f"max_scopes must be in [1, {MAX_SCOPES}]")
         self.max_memberships = max_memberships
         self.max_scopes = max_scopes
-        self.backend = resolve_backend(backend)
         self._secret = secret
         core_seed, self._salt_key = _derive(secret, seed)
-        self._core = make_core(self.backend, core_seed)
+        self._core = make_core(core_seed)
         if expected_blocks > 0:
             self._core.presize(expected_blocks)
-        self._scope_ids: dict[IdentityScope, int] = {}
+        self._scope_ids: dict[IdentityScope, tuple[int, int]] = {}  # scope -> (core scope id, its serial)
         self._scopes: dict[int, IdentityScope] = {}
-        self._scope_lru: OrderedDict[int, None] = OrderedDict()
-        self._keyers: OrderedDict[tuple[IdentityScope, int], BlockKeyer] = OrderedDict()
+        self._scope_lru: OrderedDict[int, None] = OrderedDict()  # the writer's alone
+        self._touched: deque[int] = deque(maxlen=_TOUCHES_MAX)  # scope uses, in order, for _scope_lru
+        self._keyers: dict[tuple[IdentityScope, int], BlockKeyer] = {}
         self._event_scopes: dict[tuple[PublisherIdentity, str | None, str | None, str | None], IdentityScope] = {}
         self._publishers = Publishers()
         self._pubs = self._publishers.by_name
@@ -247,6 +275,9 @@ class GlobalIndex:
         self._core_publishers = 0
         self._count = _Counters()
         self._match_cache: dict[tuple[int, int, bool], LocationMatch] = {}
+        # Odd while a publisher may become certain (a resync, a restore): a lookup that overlaps
+        # it tries again, so it never reports facts from before the resync as certain.
+        self._epoch = 0
 
     # -- applying batches -----------------------------------------------------------------------------
 
@@ -311,9 +342,15 @@ class GlobalIndex:
             elif kind is AllCleared or kind is Cleared:
                 self._clear(pub, event.tier)
                 if event.tier is None:
+                    self._epoch += 1
                     self._publishers.certain(pub)
+                    self._epoch += 1
             elif kind is Snapshot or kind is SnapshotMark:
-                if self._publishers.snapshot(pub, event.phase):
+                if event.phase == "end":  # may resync
+                    self._epoch += 1
+                    self._publishers.snapshot(pub, "end")
+                    self._epoch += 1
+                elif self._publishers.snapshot(pub, event.phase):
                     self._clear(pub, None)
             yield ops
         self._count.batches_applied += 1
@@ -409,11 +446,15 @@ class GlobalIndex:
             old = self._locations[i]
             entry = EntryLocation(worker=worker, tier=old.entry.tier, group=old.entry.group)
             self._locations[i] = dataclasses.replace(old, entry=entry)
+        # The cached matches name the old worker. A new cache, after the new entries: a lookup
+        # that still fills the old one reads entries that may be old too, and is not cached here.
+        self._match_cache = {}
 
     # -- bounds ----------------------------------------------------------------------------------------
 
     def _forget_scopes(self) -> None:
         """Forget the least recently used 1/16 of the scopes (and their blocks)."""
+        self._drain_touches()
         drop = max(1, self.max_scopes // 16) + max(0, len(self._scopes) - self.max_scopes)
         victims = [sid for sid, _ in zip(self._scope_lru, range(drop))]
         m, b = self._core.forget_scopes(victims)
@@ -424,7 +465,10 @@ class GlobalIndex:
 
     def _release_empty_scopes(self) -> None:
         core = self._core
-        for sid in core.take_empty_scopes():
+        empty = core.take_empty_scopes()
+        if empty:
+            self._drain_touches()  # before an id is freed: its uses must not count for a later owner
+        for sid in empty:
             if core.release_scope(sid):
                 scope = self._scopes.pop(sid, None)
                 self._scope_lru.pop(sid, None)
@@ -444,8 +488,8 @@ class GlobalIndex:
     # -- scopes ----------------------------------------------------------------------------------------
 
     def _scope_id(self, scope: IdentityScope, *, create: bool) -> int | None:
-        sid = self._scope_ids.get(scope)
-        if sid is None:
+        got = self._scope_ids.get(scope)
+        if got is None:
             if not create:
                 return None
             if len(self._scopes) >= self.max_scopes:
@@ -454,13 +498,26 @@ class GlobalIndex:
                     self._forget_scopes()
             salt = hashlib.blake2b(scope.canonical_bytes(), digest_size=16, key=self._salt_key,
                                    person=b"nexuskv-salt1").digest()
-            sid = self._core.add_scope(salt)
-            self._scope_ids[scope] = sid
+            sid, serial = self._core.add_scope(salt)
+            self._drain_touches()  # the new scope is the most recent: after every earlier use
+            self._scope_ids[scope] = (sid, serial)
             self._scopes[sid] = scope
             self._scope_lru[sid] = None
-        else:
-            self._scope_lru.move_to_end(sid)
-        return sid
+            return sid
+        touched = self._touched
+        touched.append(got[0])
+        if len(touched) >= _TOUCHES_DRAIN:
+            self._drain_touches()
+        return got[0]
+
+    def _drain_touches(self) -> None:
+        """Apply the scope uses recorded since the last drain to the LRU order (the writer only:
+        lookups, in any thread, only append to the deque)."""
+        touched, lru = self._touched, self._scope_lru
+        while touched:
+            sid = touched.popleft()
+            if sid in lru:
+                lru.move_to_end(sid)
 
     def _event_scope(self, identity: PublisherIdentity, tenant: str | None, lora: str | None,
                      salt: str | None) -> IdentityScope:
@@ -479,15 +536,15 @@ class GlobalIndex:
         return scope
 
     def _keyer(self, scope: IdentityScope, block_size: int) -> BlockKeyer:
+        # A plain dict emptied when full: its single operations are safe from lookup_tokens in
+        # other threads, where an LRU's reorderings and evictions were not.
         key = (scope, block_size)
         keyer = self._keyers.get(key)
         if keyer is None:
             keyer = BlockKeyer(scope, block_size, self._secret)
             if len(self._keyers) >= _KEYER_CACHE_MAX:
-                self._keyers.popitem(last=False)
+                self._keyers.clear()
             self._keyers[key] = keyer
-        else:
-            self._keyers.move_to_end(key)
         return keyer
 
     # -- lookups ---------------------------------------------------------------------------------------
@@ -497,11 +554,21 @@ class GlobalIndex:
         uint64 array [high, low] (:func:`~nexuskv.identity.key_array`,
         :func:`~nexuskv.identity.digest_array`) or ``n`` 16-byte big-endian digests as bytes."""
         raw, n = _key_input(keys)
-        sid = self._scope_ids.get(scope)
-        if sid is None or n == 0:
+        got = self._scope_ids.get(scope)
+        if got is None or n == 0:
             return LookupResult(num_blocks=n, matches=())
-        self._scope_lru.move_to_end(sid)
-        return LookupResult(num_blocks=n, matches=self._matches(self._core.lookup(sid, raw)))
+        sid, serial = got
+        self._touched.append(sid)  # not _scope_lru itself: another thread may be writing
+        core = self._core
+        for _ in range(_LOOKUP_TRIES):
+            epoch = self._epoch
+            found = core.lookup(sid, raw, serial)
+            if found is None:  # the scope was released meanwhile: it held no block then
+                return LookupResult(num_blocks=n, matches=())
+            matches = self._matches(found, trusted=True)
+            if not epoch & 1 and epoch == self._epoch:
+                return LookupResult(num_blocks=n, matches=matches)
+        return LookupResult(num_blocks=n, matches=self._matches(found, trusted=False))
 
     def lookup_tokens(self, scope: IdentityScope, token_ids: Sequence[int] | np.ndarray,
                       block_size: int) -> LookupResult:
@@ -510,7 +577,9 @@ class GlobalIndex:
             return LookupResult(num_blocks=len(token_ids) // block_size, matches=())
         return self.lookup(scope, b"".join(self._keyer(scope, block_size).digests(token_ids)))
 
-    def _matches(self, found: list[tuple[int, int, tuple[tuple[int, int], ...]]]) -> tuple[LocationMatch, ...]:
+    def _matches(self, found: list[tuple[int, int, tuple[tuple[int, int], ...]]], *,
+                 trusted: bool) -> tuple[LocationMatch, ...]:
+        """The core's answer as matches; ``trusted=False``: every one uncertain."""
         if not found:
             return ()
         locations, pubs, cache = self._locations, self._pub_list, self._match_cache
@@ -518,16 +587,17 @@ class GlobalIndex:
         for loc, prefix, rest in found:
             where = locations[loc]
             pub = pubs[where.pid]
+            certain = trusted and pub.certain  # read once: the writer may change it meanwhile
             if rest:
                 out.append(LocationMatch(where.entry, pub.name, prefix, tuple(Extent(s, e) for s, e in rest),
-                                         pub.certain))
+                                         certain))
                 continue
-            key = (loc, prefix, pub.certain)
+            key = (loc, prefix, certain)
             hit = cache.get(key)
             if hit is None:
                 if len(cache) >= _MATCH_CACHE_MAX:
                     cache.clear()
-                hit = cache[key] = LocationMatch(where.entry, pub.name, prefix, (), pub.certain)
+                hit = cache[key] = LocationMatch(where.entry, pub.name, prefix, (), certain)
             out.append(hit)
         if len(out) > 1:
             out.sort(key=lambda m: (m.location.worker, m.location.tier.value, m.location.group))
@@ -564,7 +634,7 @@ class GlobalIndex:
             forget_policy=FORGET_POLICY, memberships=self._core.memberships, blocks=self._core.blocks,
             publishers=len(self._pubs), uncertain_publishers=sum(not p.certain for p in self._pub_list),
             max_memberships=self.max_memberships, nbytes=self.nbytes, scopes=len(self._scopes),
-            forgotten_scopes=c.forgotten_scopes, backend=self.backend, core_nbytes=self._core.nbytes,
+            forgotten_scopes=c.forgotten_scopes, backend="native", core_nbytes=self._core.nbytes,
         )
 
     def facts(self) -> dict[tuple[str, Tier, int], set[tuple[IdentityScope, int]]]:
@@ -614,6 +684,13 @@ class GlobalIndex:
         So the newest state of a publisher wins whatever the order checkpoints are restored in.
         Returns the publishers restored."""
         cp = decode_checkpoint(data)
+        self._epoch += 1  # publishers may become certain: concurrent lookups try again
+        try:
+            return self._restore(cp)
+        finally:
+            self._epoch += 1
+
+    def _restore(self, cp: IndexCheckpoint) -> tuple[str, ...]:
         names = []
         for item in cp.publishers:
             pub = self._pubs.get(item.name)

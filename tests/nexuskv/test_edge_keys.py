@@ -20,18 +20,16 @@ from nexuskv.descriptor import Tier
 from nexuskv.edge_keys import EdgeKeyer, scope_of
 from nexuskv.identity import BlockKeyer
 from nexuskv.index import GlobalIndex
-from nexuskv.index_core import BACKENDS
-from nexuskv.reference_index import ReferenceIndex
 
 from tests.factories import scope
 from tests.nexuskv.test_index_properties import BS, IDENTITY, PROMPTS, PUBLISHERS, SECRET, TENANTS, _event, ops
+from tests.oracles.reference_index import ReferenceIndex
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=40))
-def test_edge_keyed_index_equals_reference(backend, steps):
-    index = GlobalIndex(secret=b"not-the-identity-secret", backend=backend)  # the index no longer keys anything
+def test_edge_keyed_index_equals_reference(steps):
+    index = GlobalIndex(secret=b"not-the-identity-secret")  # the index no longer keys anything
     ref = ReferenceIndex(secret=SECRET)
     keyers = {p: EdgeKeyer(SECRET) for p in PUBLISHERS}
     seq = dict.fromkeys(PUBLISHERS, 0)

@@ -1,7 +1,4 @@
-"""GlobalIndex: exact answers, scoped removals, tenant isolation, sequence and incarnation rules.
-
-Every test runs on both storage cores (``nexuskv.index_core``): the native one and the Python one.
-"""
+"""GlobalIndex: exact answers, scoped removals, tenant isolation, sequence and incarnation rules."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, K
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer, digest_array
 from nexuskv.index import GlobalIndex
-from nexuskv.index_core import BACKENDS, make_core
+from nexuskv.index_core import make_core
 from nexuskv.lookup import Extent
 
 from tests.factories import publisher_identity, scope
@@ -21,9 +18,6 @@ BS = 4
 TOKENS = tuple(range(1, 25))  # six blocks
 SECRET = b"unit"
 IDENT = publisher_identity()
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
-
 
 def batch(seq, *events, publisher="w1", incarnation=1):
     return KvEventBatch(publisher=publisher, incarnation=incarnation, seq=seq, ts=0.0, identity=IDENT, events=events)
@@ -43,8 +37,8 @@ def one(index, publisher="w1", tenant="default", tier=Tier.GPU):
     return got[0] if got else None
 
 
-def test_prefix_extents_and_lookup_by_tokens(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_prefix_extents_and_lookup_by_tokens():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), stored([5, 6], TOKENS[16:24], parent=4)))
     m = one(index)
     assert (m.prefix_blocks, m.extents, m.certain) == (3, (), True)  # parent 4 unknown: 5, 6 unresolved
@@ -59,8 +53,8 @@ def test_prefix_extents_and_lookup_by_tokens(backend):
     assert index.lookup(scope(), arr) == index.lookup(scope(), keys())
 
 
-def test_removals_and_clears_touch_only_their_publisher_and_tier(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_removals_and_clears_touch_only_their_publisher_and_tier():
+    index = GlobalIndex(secret=SECRET)
     for pub in ("w1", "w2"):
         index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockStored(engine_hashes=(1, 2), block_size=BS, tier=Tier.HOST),
                           publisher=pub))
@@ -75,8 +69,8 @@ def test_removals_and_clears_touch_only_their_publisher_and_tier(backend):
     assert index.memberships == 3
 
 
-def test_tenants_never_see_each_others_blocks(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_tenants_never_see_each_others_blocks():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, stored([1, 2], TOKENS[:8], tenant_namespace="acme")))
     assert one(index, tenant="acme").prefix_blocks == 2
     assert index.lookup(scope(tenant="globex"), keys("globex")).matches == ()
@@ -84,8 +78,8 @@ def test_tenants_never_see_each_others_blocks(backend):
     assert index.lookup(scope(tenant="globex"), keys("acme")).matches == ()
 
 
-def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_until_resync(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_until_resync():
+    index = GlobalIndex(secret=SECRET)
     b0 = batch(0, stored([1, 2], TOKENS[:8]))
     assert index.apply(b0).status == "applied"
     assert index.apply(b0).status == "duplicate"
@@ -100,8 +94,8 @@ def test_duplicates_are_ignored_and_a_dropped_seq_makes_the_publisher_uncertain_
     assert index.stats().gaps == 1 and index.stats().resyncs == 1
 
 
-def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12])))
     index.apply(batch(1, Snapshot(phase="begin"), stored([1], TOKENS[:4])))
     assert one(index).certain is False and one(index).prefix_blocks == 1
@@ -112,8 +106,8 @@ def test_snapshot_replaces_facts_and_a_gap_inside_keeps_it_uncertain(backend):
     assert one(index).certain is False
 
 
-def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, stored([1, 2], TOKENS[:8])))
     assert index.apply(batch(0, stored([9], TOKENS[:4]), incarnation=2)).uncertain
     assert one(index).certain is False
@@ -122,14 +116,14 @@ def test_new_incarnation_is_uncertain_and_old_incarnations_are_stale(backend):
     assert one(index).certain and one(index).prefix_blocks == 1
 
 
-def test_a_publisher_first_seen_mid_stream_is_uncertain(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_a_publisher_first_seen_mid_stream_is_uncertain():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(40, stored([1], TOKENS[:4])))
     assert one(index).certain is False
 
 
-def test_memory_bound_forgets_with_the_sweep_policy_and_counts(backend):
-    index = GlobalIndex(secret=SECRET, max_memberships=64, backend=backend)
+def test_memory_bound_forgets_with_the_sweep_policy_and_counts():
+    index = GlobalIndex(secret=SECRET, max_memberships=64)
     rng = np.random.default_rng(0)
     for seq in range(20):
         toks = rng.integers(0, 1000, 40).tolist()
@@ -140,14 +134,14 @@ def test_memory_bound_forgets_with_the_sweep_policy_and_counts(backend):
     assert sum(len(v) for v in index.facts().values()) == index.memberships
 
 
-def test_core_matches_a_model_through_growth_removals_clears_and_shrinking(backend):
+def test_core_matches_a_model_through_growth_removals_clears_and_shrinking():
     """Thousands of blocks through one core (tables grow, member lists compact, tables shrink),
     checked against a dict model after every round; several hashes name the same block."""
     rng = np.random.default_rng(1)
-    core = make_core(backend, bytes(32))
+    core = make_core(bytes(32))
     pub = core.add_publisher()
     gpu, host = core.add_location(pub), core.add_location(pub)
-    scopes = [core.add_scope(bytes([i]) * 16) for i in range(3)]
+    scopes = [core.add_scope(bytes([i]) * 16)[0] for i in range(3)]
     blocks: dict[tuple[int, bytes], set[int]] = {}  # (scope, key) -> locations
     entry: dict[int, tuple[int, bytes]] = {}  # engine hash -> block, valid while the block is held
 
@@ -201,19 +195,19 @@ def test_core_matches_a_model_through_growth_removals_clears_and_shrinking(backe
     assert core.take_empty_scopes() == sorted(scopes)
 
 
-def test_lookup_rejects_malformed_keys(backend):
+def test_lookup_rejects_malformed_keys():
     from nexuskv.errors import IdentityError
 
     with pytest.raises(IdentityError):
-        GlobalIndex(backend=backend).lookup(scope(), [-1])
+        GlobalIndex().lookup(scope(), [-1])
 
 
-def test_checkpoint_restore_reproduces_publishers_exactly(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_checkpoint_restore_reproduces_publishers_exactly():
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockStored(engine_hashes=(2, 3), block_size=BS, tier=Tier.DISK)))
     index.apply(batch(0, stored([1, 2], TOKENS[:8], tenant_namespace="acme"), publisher="w2"))
     index.apply(batch(2, stored([3], TOKENS[8:12], parent=2, tenant_namespace="acme"), publisher="w2"))  # gap
-    copy = GlobalIndex(secret=SECRET, backend=backend)
+    copy = GlobalIndex(secret=SECRET)
     copy.apply(batch(0, stored([7], TOKENS[:4]), publisher="w2"))  # replaced by the restore
     assert set(copy.restore(index.checkpoint(["w1", "w2"]))) == {"w1", "w2"}
     assert copy.facts() == index.facts()
@@ -224,16 +218,16 @@ def test_checkpoint_restore_reproduces_publishers_exactly(backend):
     for ix in (index, copy):
         ix.apply(batch(1, BlockRemoved(engine_hashes=(3,), tier=Tier.DISK)))
     assert copy.facts() == index.facts()
-    only_w1 = GlobalIndex(secret=SECRET, backend=backend)
+    only_w1 = GlobalIndex(secret=SECRET)
     only_w1.restore(index.checkpoint(["w1"]))
     assert set(only_w1.facts()) == {k for k in index.facts() if k[0] == "w1"}
 
 
-def test_checkpoints_of_a_large_state_restore_exactly(backend):
+def test_checkpoints_of_a_large_state_restore_exactly():
     """Thousands of blocks per publisher, restored publisher group by group into a fresh index
     (its tables grow and rebuild while the rows come in)."""
     rng = np.random.default_rng(5)
-    index = GlobalIndex(secret=SECRET, backend=backend)
+    index = GlobalIndex(secret=SECRET)
     for p in range(5):
         for seq in range(6):
             toks = rng.integers(0, 1000, 1000 * BS).tolist()
@@ -243,7 +237,7 @@ def test_checkpoints_of_a_large_state_restore_exactly(backend):
             if seq:
                 events.append(BlockRemoved(engine_hashes=tuple(range(base - 1000, base - 700))))
             index.apply(batch(seq, *events, publisher=f"w{p}"))
-    copy = GlobalIndex(secret=SECRET, backend=backend)
+    copy = GlobalIndex(secret=SECRET)
     names = index.publishers()
     for part in (names[0::2], names[1::2]):
         copy.restore(index.checkpoint(list(part)))
@@ -255,23 +249,22 @@ def test_checkpoints_of_a_large_state_restore_exactly(backend):
     assert copy.facts() == index.facts()
 
 
-def test_a_presized_index_answers_the_same(backend):
-    small, big = GlobalIndex(secret=SECRET, backend=backend), GlobalIndex(secret=SECRET, backend=backend,
+def test_a_presized_index_answers_the_same():
+    small, big = GlobalIndex(secret=SECRET), GlobalIndex(secret=SECRET,
                                                                             expected_blocks=100_000)
     for ix in (small, big):
         ix.apply(batch(0, stored([1, 2, 3], TOKENS[:12]), BlockRemoved(engine_hashes=(2,))))
     assert big.facts() == small.facts() and big.lookup(scope(), keys()) == small.lookup(scope(), keys())
-    if backend == "native":  # the Python core's dicts size themselves
-        assert big.stats().core_nbytes > small.stats().core_nbytes
-        # ... and the sizing survives the first stores: the shrink rule keeps the presized floor
-        sized = GlobalIndex(secret=SECRET, backend=backend, expected_blocks=100_000).stats().core_nbytes
-        assert big.stats().core_nbytes >= sized
+    assert big.stats().core_nbytes > small.stats().core_nbytes
+    # ... and the sizing survives the first stores: the shrink rule keeps the presized floor
+    sized = GlobalIndex(secret=SECRET, expected_blocks=100_000).stats().core_nbytes
+    assert big.stats().core_nbytes >= sized
 
 
-def test_a_tier_publishers_locations_are_its_workers_and_survive_a_checkpoint(backend):
+def test_a_tier_publishers_locations_are_its_workers_and_survive_a_checkpoint():
     """A tier publisher (``w1/disk``) whose identity names worker ``w1``: its blocks are at w1's disk
     (what the planner prices as w1's own tier), still under its own publisher name and sequence."""
-    index = GlobalIndex(secret=SECRET, backend=backend)
+    index = GlobalIndex(secret=SECRET)
     tier_ident = IDENT.model_copy(update={"worker": "w1"})
     tiered = KvEventBatch(publisher="w1/disk", incarnation=1, seq=0, ts=0.0, identity=tier_ident,
                           events=(stored([1, 2, 3], TOKENS[:12], tier=Tier.DISK),))
@@ -279,13 +272,13 @@ def test_a_tier_publishers_locations_are_its_workers_and_survive_a_checkpoint(ba
     index.apply(batch(0, stored([1], TOKENS[:4])))  # the engine's own GPU block
     m = one(index, publisher="w1/disk", tier=Tier.DISK)
     assert (m.location.worker, m.location.tier, m.prefix_blocks) == ("w1", Tier.DISK, 3)
-    restored = GlobalIndex(secret=SECRET, backend=backend)
+    restored = GlobalIndex(secret=SECRET)
     restored.restore(index.checkpoint(index.publishers()))
     assert one(restored, publisher="w1/disk", tier=Tier.DISK) == m
     assert one(restored, tier=Tier.GPU).location.worker == "w1"
 
 
-def test_a_publisher_cannot_speak_for_a_worker_its_name_is_not_under(backend):
+def test_a_publisher_cannot_speak_for_a_worker_its_name_is_not_under():
     with pytest.raises(ValueError, match="identity.worker"):
         KvEventBatch(publisher="w2/disk", incarnation=1, seq=0, ts=0.0,
                      identity=IDENT.model_copy(update={"worker": "w1"}), events=())

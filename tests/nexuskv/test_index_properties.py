@@ -4,15 +4,14 @@ Random interleavings of stored runs, token-less tier moves, removals, clears (al
 snapshots, duplicated batches, dropped sequence numbers and new incarnations, from three
 publishers (two of which use the same engine hashes for the same blocks, as vLLM engines with
 one hash seed do) over prompts that share prefixes, in two tenants. After every step, every
-prompt's lookup in every scope, and the full set of facts, must equal the reference's. Both storage
-cores (native and Python) run every case.
+prompt's lookup in every scope, and the full set of facts, must equal the reference's
+(``tests/oracles/reference_index.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +19,9 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, K
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer
 from nexuskv.index import GlobalIndex
-from nexuskv.index_core import BACKENDS
-from nexuskv.reference_index import ReferenceIndex
 
 from tests.factories import publisher_identity, scope
+from tests.oracles.reference_index import ReferenceIndex
 
 BS = 2
 PUBLISHERS = ("pub-a", "pub-b", "pub-c")
@@ -87,11 +85,10 @@ def _event(op):
     return Snapshot(phase=op[2])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=40))
-def test_index_equals_reference_after_every_step(backend, steps):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_index_equals_reference_after_every_step(steps):
+    index = GlobalIndex(secret=SECRET)
     ref = ReferenceIndex(secret=SECRET)
     seq = dict.fromkeys(PUBLISHERS, 0)
     incarnation = dict.fromkeys(PUBLISHERS, 1)
@@ -145,14 +142,13 @@ def _facts_of(ref: ReferenceIndex, pub: str) -> dict:
     return {where: set(blocks) for where, blocks in ref.nonempty_facts().items() if where[0] == pub}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(("store", "remove")), pub_s, prompt_s, span_s, tier_s), max_size=40))
-def test_memory_bound_forgets_and_counts(backend, steps):
+def test_memory_bound_forgets_and_counts(steps):
     """With a tiny bound, the index never holds more than the bound and counts what it forgot;
     whatever it still reports is a fact the reference also holds (forgetting makes misses only)."""
     bound = 12
-    index = GlobalIndex(secret=SECRET, max_memberships=bound, backend=backend)
+    index = GlobalIndex(secret=SECRET, max_memberships=bound)
     ref = ReferenceIndex(secret=SECRET)
     seq = dict.fromkeys(PUBLISHERS, 0)
     for kind, pub, prompt, span, tier in steps:

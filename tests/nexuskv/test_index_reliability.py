@@ -26,16 +26,13 @@ from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, K
 from nexuskv.descriptor import Tier
 from nexuskv.identity import BlockKeyer
 from nexuskv.index import GlobalIndex, KeyedBlocks
-from nexuskv.index_core import BACKENDS
-from nexuskv.reference_index import ReferenceIndex
 
 from tests.factories import publisher_identity, scope
+from tests.oracles.reference_index import ReferenceIndex
 
 BS = 4
 SECRET = b"reliability"
 IDENT = publisher_identity()
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def batch(seq, *events, publisher="w1"):
@@ -55,14 +52,14 @@ def runs(index, publisher, first_seq, blocks, *, seed=0, per_event=1024, tenant=
     return out
 
 
-def test_a_clear_costs_what_it_removes_not_the_whole_index(backend):
+def test_a_clear_costs_what_it_removes_not_the_whole_index():
     """2,000 clears of a small publisher, with 2,000 or 120,000 blocks of another publisher
     beside it: the same cost (on 30ffd34 the second took ~40x longer: every clear remapped the
     location set of every block in the index)."""
     clears = batch(10, *[AllCleared(tier=Tier.HOST) if i % 2 else AllCleared() for i in range(2000)], publisher="small")
     costs = {}
     for big in (2_000, 120_000):
-        index = GlobalIndex(secret=SECRET, backend=backend)
+        index = GlobalIndex(secret=SECRET)
         for b in runs(index, "big", 0, big, per_event=4096):
             index.apply(b)
         for b in runs(index, "small", 0, 64, seed=1, per_event=32):
@@ -80,8 +77,8 @@ def test_a_clear_costs_what_it_removes_not_the_whole_index(backend):
     assert costs[120_000] < 4 * costs[2_000], costs
 
 
-def test_a_repeated_engine_hash_in_one_event_leaves_no_phantom(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend)
+def test_a_repeated_engine_hash_in_one_event_leaves_no_phantom():
+    index = GlobalIndex(secret=SECRET)
     ref = ReferenceIndex(secret=SECRET)
     tokens = tuple(range(1, 64 * BS + 1))
     hashes = tuple([7] * 63 + [8])  # one engine hash for 63 different blocks, as a buggy engine may send
@@ -90,7 +87,7 @@ def test_a_repeated_engine_hash_in_one_event_leaves_no_phantom(backend):
     ref.apply(b0)
     assert index.facts() == ref.nonempty_facts()  # only the last block hash 7 named, and hash 8's
     assert index.memberships == 2 and index.stats().blocks == 2
-    copy = GlobalIndex(secret=SECRET, backend=backend)
+    copy = GlobalIndex(secret=SECRET)
     copy.restore(index.checkpoint(["w1"]))
     assert copy.facts() == index.facts()
     keys = BlockKeyer(scope(tenant=IDENT.tenant_namespace), BS, SECRET).keys(tokens)
@@ -103,10 +100,10 @@ def test_a_repeated_engine_hash_in_one_event_leaves_no_phantom(backend):
     assert index.lookup(scope(tenant=IDENT.tenant_namespace), keys).matches == ()
 
 
-def test_foreign_scope_keys_cost_what_absent_keys_cost(backend):
+def test_foreign_scope_keys_cost_what_absent_keys_cost():
     """Tenant B holds 30,000 blocks; a lookup in tenant A's scope with 512 of B's keys takes as
     long as one with 512 keys that exist nowhere (on 30ffd34: ~1.7x as long, a timing oracle)."""
-    index = GlobalIndex(secret=SECRET, backend=backend)
+    index = GlobalIndex(secret=SECRET)
     for b in runs(index, "w1", 0, 30_000, per_event=4096, tenant="tenant-b"):
         index.apply(b)
     index.apply(batch(0, BlockStored(engine_hashes=(1,), token_ids=(1, 2, 3, 4), block_size=BS, tenant_namespace="tenant-a"),
@@ -128,10 +125,10 @@ def test_foreign_scope_keys_cost_what_absent_keys_cost(backend):
     assert 0.8 < statistics.median(ratios) < 1.25, statistics.median(ratios)
 
 
-def test_scope_and_keyer_tables_are_freed_with_their_blocks(backend):
+def test_scope_and_keyer_tables_are_freed_with_their_blocks():
     """20,000 requests with distinct cache salts come and go: the index's tables shrink back
     (on 30ffd34 every salt's scope and keyer stayed for good: tens of MiB)."""
-    index = GlobalIndex(secret=SECRET, backend=backend)
+    index = GlobalIndex(secret=SECRET)
     index.apply(batch(0, BlockStored(engine_hashes=(1,), token_ids=(1, 2, 3, 4), block_size=BS)))
 
     def salted(seq, n, removed):
@@ -156,8 +153,8 @@ def test_scope_and_keyer_tables_are_freed_with_their_blocks(backend):
     assert index.stats().scopes == 1
 
 
-def test_live_scopes_are_bounded_by_forgetting_the_least_recently_used(backend):
-    index = GlobalIndex(secret=SECRET, backend=backend, max_scopes=64)
+def test_live_scopes_are_bounded_by_forgetting_the_least_recently_used():
+    index = GlobalIndex(secret=SECRET, max_scopes=64)
     for seq in range(10):
         events = [BlockStored(engine_hashes=(seq * 100 + i,), token_ids=(1, 2, 3, 4), block_size=BS,
                               cache_salt=f"s-{seq}-{i}") for i in range(100)]
@@ -175,13 +172,13 @@ def test_live_scopes_are_bounded_by_forgetting_the_least_recently_used(backend):
     assert len(index._keyers) <= 256
 
 
-def test_pre_keyed_blocks_answer_as_blocks_keyed_from_tokens(backend):
+def test_pre_keyed_blocks_answer_as_blocks_keyed_from_tokens():
     tokens = tuple(range(100, 100 + 8 * BS))
     s = scope(tenant=IDENT.tenant_namespace)
     digests = BlockKeyer(s, BS, SECRET).digests(tokens)
-    by_tokens = GlobalIndex(secret=SECRET, backend=backend)
+    by_tokens = GlobalIndex(secret=SECRET)
     by_tokens.apply(batch(0, BlockStored(engine_hashes=tuple(range(8)), token_ids=tokens, block_size=BS)))
-    keyed = GlobalIndex(secret=SECRET, backend=backend)
+    keyed = GlobalIndex(secret=SECRET)
     keyed.apply_events("w1", 1, 0, IDENT, [KeyedBlocks(engine_hashes=np.arange(8, dtype="<u8").tobytes(),
                                                        keys=b"".join(digests))])
     keys = [int.from_bytes(d, "big") for d in digests]

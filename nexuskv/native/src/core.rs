@@ -49,6 +49,7 @@ pub struct Scope {
     pub salt_lo: u64,
     pub blocks: u64,
     pub live: bool,
+    pub serial: u64, // unique to this scope's life: an id reused later gets another one
 }
 
 #[derive(Default, Clone, Copy)]
@@ -70,11 +71,20 @@ pub struct Core {
     pub memberships: u64,
     cursor: usize,
     seed: [u64; 4],
-    // lookup scratch
-    q_lo: Vec<u64>,
-    q_hi: Vec<u64>,
-    q_home: Vec<u32>,
-    q_set: Vec<u32>,
+    serials: u64,
+}
+
+/// A lookup's working arrays, one per thread: lookups only read the core, so several run at once.
+#[derive(Default)]
+struct Scratch {
+    lo: Vec<u64>,
+    hi: Vec<u64>,
+    home: Vec<u32>,
+    set: Vec<u32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// Is the engine entry (id, gen) of publisher `publ` valid?
@@ -100,6 +110,9 @@ enum Entry {
 /// A run of query blocks `[start, end)` at one location.
 pub type Run = (u32, u32);
 
+/// A location and the (scope id, (hi, lo) key) of every block it holds, in two columns.
+pub type LocationFacts = (u32, Vec<u32>, Vec<(u64, u64)>);
+
 impl Core {
     pub fn new(seed: [u64; 4]) -> Self {
         Core {
@@ -115,11 +128,39 @@ impl Core {
             memberships: 0,
             cursor: 0,
             seed,
-            q_lo: Vec::new(),
-            q_hi: Vec::new(),
-            q_home: Vec::new(),
-            q_set: Vec::new(),
+            serials: 0,
         }
+    }
+
+    // -- argument checks (the wrapper runs them under the same lock as the call) ----------------
+
+    pub fn check_pub(&self, publ: u32) -> Result<(), String> {
+        if (publ as usize) < self.pubs.len() {
+            Ok(())
+        } else {
+            Err(format!("unknown publisher id {publ}"))
+        }
+    }
+
+    pub fn check_loc(&self, publ: u32, loc: u32) -> Result<(), String> {
+        self.check_pub(publ)?;
+        if (loc as usize) < self.loc_pub.len() && self.loc_pub[loc as usize] == publ {
+            Ok(())
+        } else {
+            Err(format!("location {loc} is not publisher {publ}'s"))
+        }
+    }
+
+    pub fn check_scope(&self, sid: u32) -> Result<(), String> {
+        if self.scope_live(sid) {
+            Ok(())
+        } else {
+            Err(format!("unknown scope id {sid}"))
+        }
+    }
+
+    pub fn scope_live(&self, sid: u32) -> bool {
+        (sid as usize) < self.scopes.len() && self.scopes[sid as usize].live
     }
 
     fn new_engine(&self, publ: u32) -> EngineMap {
@@ -145,12 +186,15 @@ impl Core {
         loc
     }
 
-    /// A new scope; None when `MAX_SCOPES` are live.
-    pub fn add_scope(&mut self, salt_hi: u64, salt_lo: u64) -> Option<u32> {
+    /// A new scope: (id, serial); None when `MAX_SCOPES` are live. The serial tells this scope
+    /// from any later one that reuses its id.
+    pub fn add_scope(&mut self, salt_hi: u64, salt_lo: u64) -> Option<(u32, u64)> {
         if self.free_scopes.is_empty() && self.scopes.len() >= MAX_SCOPES {
             return None;
         }
-        let sc = Scope { salt_hi, salt_lo, blocks: 0, live: true };
+        self.serials += 1;
+        let serial = self.serials;
+        let sc = Scope { salt_hi, salt_lo, blocks: 0, live: true, serial };
         let sid = match self.free_scopes.pop() {
             Some(s) => {
                 self.scopes[s as usize] = sc;
@@ -162,7 +206,7 @@ impl Core {
             }
         };
         self.dirty_scopes.push(sid);
-        Some(sid)
+        Some((sid, serial))
     }
 
     /// Scopes that have no block now (and were new or lost blocks since the last call).
@@ -580,45 +624,50 @@ impl Core {
 
     // -- lookups --------------------------------------------------------------------------------
 
-    /// Per location holding any of `keys` (in scope `sid`): its runs of present blocks.
-    pub fn lookup(&mut self, sid: u32, n: usize, key: impl Fn(usize) -> (u64, u64)) -> Vec<(u32, Vec<Run>)> {
+    /// Per location holding any of `keys` ((hi, lo) words, in scope `sid`): its runs of present
+    /// blocks, by location. Reads the core only (its working arrays are per thread).
+    pub fn lookup(&self, sid: u32, keys: &[(u64, u64)]) -> Vec<(u32, Vec<Run>)> {
+        SCRATCH.with(|q| self.lookup_with(&mut q.borrow_mut(), sid, keys))
+    }
+
+    fn lookup_with(&self, q: &mut Scratch, sid: u32, keys: &[(u64, u64)]) -> Vec<(u32, Vec<Run>)> {
         let sc = &self.scopes[sid as usize];
         let (shi, slo, s1) = (sc.salt_hi, sc.salt_lo, (sid + 1) as u16);
         let t = &self.blocks.t;
-        self.q_lo.clear();
-        self.q_hi.clear();
-        self.q_home.clear();
-        self.q_set.clear();
-        for i in 0..n {
-            let (hi, lo) = key(i);
+        let n = keys.len();
+        q.lo.clear();
+        q.hi.clear();
+        q.home.clear();
+        q.set.clear();
+        for &(hi, lo) in keys {
             let (lo, hi) = (lo ^ slo, hi ^ shi);
-            self.q_lo.push(lo);
-            self.q_hi.push(hi);
-            self.q_home.push(t.home(lo, hi) as u32);
+            q.lo.push(lo);
+            q.hi.push(hi);
+            q.home.push(t.home(lo, hi) as u32);
         }
         for i in 0..n.min(PREFETCH_AHEAD) {
-            prefetch(&t.lo[self.q_home[i] as usize]);
+            prefetch(&t.lo[q.home[i] as usize]);
         }
         for i in 0..n {
             if i + PREFETCH_AHEAD < n {
-                let b = self.q_home[i + PREFETCH_AHEAD] as usize;
+                let b = q.home[i + PREFETCH_AHEAD] as usize;
                 prefetch(&t.lo[b]);
                 prefetch(&t.hi[b]);
                 prefetch(&t.meta[b]);
             }
-            let set = match t.probe_from(self.q_home[i] as usize, self.q_lo[i], self.q_hi[i], s1) {
+            let set = match t.probe_from(q.home[i] as usize, q.lo[i], q.hi[i], s1) {
                 Some(slot) => t.set_of(slot),
                 None => 0,
             };
-            self.q_set.push(set);
+            q.set.push(set);
         }
         let mut acc: Vec<(u32, Vec<Run>)> = Vec::new();
-        let q = &self.q_set;
+        let present = &q.set;
         let mut i = 0;
         while i < n {
-            let s = q[i];
+            let s = present[i];
             let mut j = i + 1;
-            while j < n && q[j] == s {
+            while j < n && present[j] == s {
                 j += 1;
             }
             if s != 0 {
@@ -645,7 +694,7 @@ impl Core {
     // -- inspection and checkpoints -------------------------------------------------------------
 
     /// Per location: (scope id, key) of every block held there.
-    pub fn facts(&self) -> Vec<(u32, Vec<u32>, Vec<(u64, u64)>)> {
+    pub fn facts(&self) -> Vec<LocationFacts> {
         let mut out = Vec::new();
         for loc in 0..self.members.len() {
             if self.loc_count[loc] == 0 {
@@ -739,11 +788,174 @@ impl Core {
         n += self.loc_count.capacity() * 8 + self.loc_pub.capacity() * 4;
         n += self.pubs.iter().map(|p| p.engine.nbytes() + p.locs.capacity() * 4 + 160).sum::<usize>();
         n += self.scopes.capacity() * std::mem::size_of::<Scope>() + (self.free_scopes.capacity() + self.dirty_scopes.capacity()) * 4;
-        n += (self.q_lo.capacity() + self.q_hi.capacity()) * 8 + (self.q_home.capacity() + self.q_set.capacity()) * 4;
         n
     }
 
     pub fn blocks_live(&self) -> usize {
         self.blocks.t.live
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: usize, tag: u64) -> Vec<(u64, u64)> {
+        (0..n as u64).map(|i| (tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i, i.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ tag)).collect()
+    }
+
+    fn hashes(n: usize, tag: u64) -> Vec<u64> {
+        (0..n as u64).map(|i| (tag << 32) | i).collect()
+    }
+
+    /// A core with one scope and publishers `pubs`, each with one location: (core, sid, locs).
+    fn core(pubs: usize) -> (Core, u32, Vec<u32>) {
+        let mut c = Core::new([1, 2, 3, 4]);
+        let locs = (0..pubs).map(|_| {
+            let p = c.add_publisher();
+            c.add_location(p)
+        }).collect();
+        let (sid, _) = c.add_scope(7, 8).unwrap();
+        (c, sid, locs)
+    }
+
+    #[test]
+    fn a_lookup_answers_runs_per_location() {
+        let (mut c, sid, locs) = core(2);
+        let ks = keys(10, 1);
+        c.store(0, locs[0], sid, &ks[..6], &hashes(6, 1));
+        c.store(1, locs[1], sid, &ks[4..8], &hashes(4, 2));
+        let mut q = ks.clone();
+        q[2] = (0, 0); // absent
+        assert_eq!(c.lookup(sid, &q), vec![(locs[0], vec![(0, 2), (3, 6)]), (locs[1], vec![(4, 8)])]);
+        let (other, _) = c.add_scope(9, 9).unwrap();
+        assert_eq!(c.lookup(other, &ks), vec![], "another scope sees nothing");
+        assert_eq!(c.memberships, 10);
+        assert_eq!(c.blocks_live(), 8);
+    }
+
+    #[test]
+    fn removals_and_clears_leave_other_publishers_alone() {
+        let (mut c, sid, locs) = core(2);
+        let ks = keys(8, 2);
+        c.store(0, locs[0], sid, &ks, &hashes(8, 1));
+        c.store(1, locs[1], sid, &ks, &hashes(8, 2));
+        assert_eq!(c.remove(0, Some(locs[0]), &hashes(3, 1)), 3);
+        assert_eq!(c.remove(0, Some(locs[0]), &hashes(3, 9)), 0, "unknown hashes");
+        assert_eq!(c.lookup(sid, &ks), vec![(locs[0], vec![(3, 8)]), (locs[1], vec![(0, 8)])]);
+        assert_eq!(c.parent_key(0, 1 << 32), None, "the removed block's hash left the map");
+        assert_eq!(c.parent_key(0, (1 << 32) | 5), Some(ks[5]));
+        c.clear(0, &[locs[0]], true);
+        assert_eq!(c.lookup(sid, &ks), vec![(locs[1], vec![(0, 8)])]);
+        assert_eq!(c.parent_key(0, (1 << 32) | 5), None);
+        assert_eq!((c.memberships, c.blocks_live()), (8, 8));
+    }
+
+    #[test]
+    fn growing_and_shrinking_keep_every_block() {
+        let (mut c, sid, locs) = core(1);
+        let n = 60_000;
+        let ks = keys(n, 3);
+        let hs = hashes(n, 1);
+        for s in (0..n).step_by(4096) {
+            let e = (s + 4096).min(n);
+            c.store(0, locs[0], sid, &ks[s..e], &hs[s..e]);
+        }
+        assert!(c.blocks.t.rebuilds >= 5, "grew {} times", c.blocks.t.rebuilds);
+        assert_eq!(c.lookup(sid, &ks), vec![(locs[0], vec![(0, n as u32)])]);
+        for (i, &h) in hs.iter().enumerate() {
+            assert_eq!(c.parent_key(0, h), Some(ks[i]));
+        }
+        let big = c.blocks.t.capacity();
+        c.remove(0, Some(locs[0]), &hs[100..]);
+        assert!(c.blocks.t.capacity() < big / 8, "shrank to {} slots from {big}", c.blocks.t.capacity());
+        assert_eq!(c.lookup(sid, &ks), vec![(locs[0], vec![(0, 100)])]);
+        assert_eq!((c.blocks_live(), c.memberships, c.pubs[0].engine.live), (100, 100, 100));
+        assert_eq!(c.facts(), vec![(locs[0], vec![sid; 100], {
+            let mut k: Vec<(u64, u64)> = ks[..100].to_vec();
+            k.sort_unstable_by_key(|&(hi, lo)| c.blocks.t.find(lo ^ 8, hi ^ 7, 1).unwrap());
+            k
+        })]);
+    }
+
+    #[test]
+    fn a_presized_table_keeps_its_size() {
+        let (mut c, sid, locs) = core(1);
+        c.presize(100_000);
+        let cap = c.blocks.t.capacity();
+        assert!(cap as f64 * MAX_LOAD >= 100_000.0);
+        let ks = keys(10, 4);
+        c.store(0, locs[0], sid, &ks, &hashes(10, 1));
+        c.remove(0, Some(locs[0]), &hashes(10, 1));
+        c.store(0, locs[0], sid, &ks, &hashes(10, 1));
+        assert_eq!(c.blocks.t.capacity(), cap, "stores into the nearly empty table did not shrink it");
+        let rebuilds = c.blocks.t.rebuilds;
+        let more = keys(90_000, 5);
+        c.store(0, locs[0], sid, &more, &hashes(90_000, 2));
+        assert_eq!(c.blocks.t.rebuilds, rebuilds, "growing to the presized count rebuilt nothing");
+    }
+
+    #[test]
+    fn export_then_restore_reproduces_a_publisher() {
+        let (mut c, sid, locs) = core(1);
+        let host = c.add_location(0);
+        let ks = keys(300, 6);
+        c.store(0, locs[0], sid, &ks, &hashes(300, 1));
+        c.store_tier(0, host, &hashes(50, 1));
+        let (h, k, s, held) = c.export(0);
+        let (mut d, sid2, locs2) = core(1);
+        let host2 = d.add_location(0);
+        assert_eq!((sid2, locs2[0], host2), (sid, locs[0], host));
+        d.restore(0, &h, &k, &s, &held);
+        assert_eq!(d.lookup(sid, &ks), c.lookup(sid, &ks));
+        assert_eq!(d.lookup(sid, &ks), vec![(locs[0], vec![(0, 300)]), (host, vec![(0, 50)])]);
+        assert_eq!(d.memberships, 350);
+    }
+
+    #[test]
+    fn forgetting_drops_whole_blocks_and_counts_them() {
+        let (mut c, sid, locs) = core(2);
+        let ks = keys(1000, 7);
+        c.store(0, locs[0], sid, &ks, &hashes(1000, 1));
+        c.store(1, locs[1], sid, &ks[..500], &hashes(500, 2));
+        let f = c.forget(600);
+        assert!(f.memberships >= 600 && f.blocks <= f.memberships);
+        assert_eq!(c.memberships, 1500 - f.memberships);
+        assert_eq!(c.blocks_live() as u64, 1000 - f.blocks);
+        let g = c.forget_scopes(&[sid]);
+        assert_eq!((c.memberships, c.blocks_live()), (0, 0));
+        assert_eq!(f.memberships + g.memberships, 1500);
+        assert_eq!(c.take_empty_scopes(), vec![sid]);
+        assert!(c.release_scope(sid));
+        let (again, _) = c.add_scope(1, 1).unwrap();
+        assert_eq!(again, sid, "the id is reused");
+    }
+
+    #[test]
+    fn a_reused_scope_id_gets_another_serial() {
+        let (mut c, sid, _) = core(0);
+        let first = c.scopes[sid as usize].serial;
+        assert!(c.release_scope(sid));
+        let (again, serial) = c.add_scope(3, 3).unwrap();
+        assert_eq!(again, sid);
+        assert_ne!(serial, first);
+    }
+
+    #[test]
+    fn lookups_run_in_parallel_on_a_shared_core() {
+        let (mut c, sid, locs) = core(1);
+        let ks = keys(5000, 8);
+        c.store(0, locs[0], sid, &ks, &hashes(5000, 1));
+        let (c, ks, loc) = (&c, &ks, locs[0]);
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                s.spawn(move || {
+                    for r in 0..50 {
+                        let n = 1 + (t * 997 + r * 31) % 5000;
+                        assert_eq!(c.lookup(sid, &ks[..n]), vec![(loc, vec![(0, n as u32)])]);
+                    }
+                });
+            }
+        });
     }
 }

@@ -10,12 +10,15 @@ mod core;
 mod sets;
 mod tables;
 
+use std::sync::{RwLock, TryLockError};
+
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyValueError, PyOverflowError};
+use pyo3::exceptions::{PyOverflowError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use crate::core::Core;
+use crate::core::{Core, MAX_LOAD};
+use crate::tables::BlockTable;
 
 fn be_key(b: &[u8]) -> (u64, u64) {
     let hi = u64::from_be_bytes(b[0..8].try_into().expect("8 bytes"));
@@ -32,14 +35,14 @@ impl<'a> Keys<'a> {
     fn of(obj: &'a Bound<'_, PyAny>) -> PyResult<Self> {
         if let Ok(b) = obj.downcast::<PyBytes>() {
             let raw = b.as_bytes();
-            if raw.len() % 16 != 0 {
+            if !raw.len().is_multiple_of(16) {
                 return Err(PyValueError::new_err(format!("keys: {} bytes is not a whole number of 16-byte keys", raw.len())));
             }
             return Ok(Keys::Bytes(raw));
         }
         let buf = PyBuffer::<u64>::get(obj)
             .map_err(|_| PyValueError::new_err("keys: expected bytes (16 per key) or an (n, 2) uint64 array"))?;
-        if !buf.is_c_contiguous() || buf.item_count() % 2 != 0 {
+        if !buf.is_c_contiguous() || !buf.item_count().is_multiple_of(2) {
             return Err(PyValueError::new_err("keys: the uint64 array must be C-contiguous with shape (n, 2)"));
         }
         Ok(Keys::Words(buf))
@@ -71,7 +74,7 @@ impl<'a> Keys<'a> {
 fn hashes_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Ok(b) = obj.downcast::<PyBytes>() {
         let raw = b.as_bytes();
-        if raw.len() % 8 != 0 {
+        if !raw.len().is_multiple_of(8) {
             return Err(PyValueError::new_err("engine hashes: bytes must hold 8 per hash"));
         }
         return Ok(raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect());
@@ -118,41 +121,74 @@ fn be_bytes_keys<'py>(py: Python<'py>, v: &[(u64, u64)]) -> Bound<'py, PyBytes> 
 }
 
 fn u32s(raw: &[u8]) -> PyResult<Vec<u32>> {
-    if raw.len() % 4 != 0 {
+    if !raw.len().is_multiple_of(4) {
         return Err(PyValueError::new_err("expected 4 bytes per uint32"));
     }
     Ok(raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
 }
 
+/// Why a call failed, made a Python exception once the GIL is held again.
+enum Fail {
+    Invalid(String),
+    Poisoned,
+}
+
+impl From<String> for Fail {
+    fn from(msg: String) -> Self {
+        Fail::Invalid(msg)
+    }
+}
+
+impl From<Fail> for PyErr {
+    fn from(f: Fail) -> PyErr {
+        match f {
+            Fail::Invalid(msg) => PyValueError::new_err(msg),
+            Fail::Poisoned => PyRuntimeError::new_err(
+                "the native index core panicked in an earlier call and its state is not trusted: rebuild the index",
+            ),
+        }
+    }
+}
+
 /// Blocks by scoped key, location sets and per-publisher engine-hash maps.
-#[pyclass(module = "nexuskv._native", name = "Core")]
+///
+/// Thread-safe: the core sits behind a readers-writer lock. Every call first copies its input
+/// into Rust-owned data; a call with real work (lookups, events, checkpoints, forgetting) then
+/// releases the GIL while it waits for the lock and while it works, and builds its Python answer
+/// once it holds the GIL again; a small call takes the lock under the GIL only when it is free at
+/// once, else it too releases the GIL to wait. So lookups run in parallel with each other and with
+/// Python code, a write excludes them, and no thread ever waits for the lock holding the GIL.
+#[pyclass(module = "nexuskv._native", name = "Core", frozen)]
 struct PyCore {
-    c: Core,
+    c: RwLock<Core>,
 }
 
 impl PyCore {
-    fn check_pub(&self, publ: u32) -> PyResult<()> {
-        if (publ as usize) < self.c.pubs.len() {
-            Ok(())
-        } else {
-            Err(PyValueError::new_err(format!("unknown publisher id {publ}")))
+    /// `f` under the read lock, the GIL released for the wait and the work.
+    fn read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> Result<R, Fail> + Send) -> PyResult<R> {
+        Ok(py.allow_threads(|| f(&*self.c.read().map_err(|_| Fail::Poisoned)?))?)
+    }
+
+    /// `f` under the write lock, the GIL released for the wait and the work.
+    fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> Result<R, Fail> + Send) -> PyResult<R> {
+        Ok(py.allow_threads(|| f(&mut *self.c.write().map_err(|_| Fail::Poisoned)?))?)
+    }
+
+    /// A small read: under the GIL when the lock is free, else as `read`.
+    fn peek<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> Result<R, Fail> + Send) -> PyResult<R> {
+        match self.c.try_read() {
+            Ok(g) => Ok(f(&g)?),
+            Err(TryLockError::WouldBlock) => self.read(py, f),
+            Err(TryLockError::Poisoned(_)) => Err(Fail::Poisoned.into()),
         }
     }
 
-    fn check_loc(&self, publ: u32, loc: u32) -> PyResult<()> {
-        self.check_pub(publ)?;
-        if (loc as usize) < self.c.loc_pub.len() && self.c.loc_pub[loc as usize] == publ {
-            Ok(())
-        } else {
-            Err(PyValueError::new_err(format!("location {loc} is not publisher {publ}'s")))
-        }
-    }
-
-    fn check_scope(&self, sid: u32) -> PyResult<()> {
-        if (sid as usize) < self.c.scopes.len() && self.c.scopes[sid as usize].live {
-            Ok(())
-        } else {
-            Err(PyValueError::new_err(format!("unknown scope id {sid}")))
+    /// A small write: under the GIL when the lock is free, else as `write`.
+    fn poke<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> Result<R, Fail> + Send) -> PyResult<R> {
+        match self.c.try_write() {
+            Ok(mut g) => Ok(f(&mut g)?),
+            Err(TryLockError::WouldBlock) => self.write(py, f),
+            Err(TryLockError::Poisoned(_)) => Err(Fail::Poisoned.into()),
         }
     }
 }
@@ -166,123 +202,163 @@ impl PyCore {
             return Err(PyValueError::new_err("seed: 32 bytes"));
         }
         let w = |i: usize| u64::from_le_bytes(seed[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-        Ok(PyCore { c: Core::new([w(0), w(1), w(2), w(3)]) })
+        Ok(PyCore { c: RwLock::new(Core::new([w(0), w(1), w(2), w(3)])) })
     }
 
-    fn add_publisher(&mut self) -> u32 {
-        self.c.add_publisher()
+    fn add_publisher(&self, py: Python<'_>) -> PyResult<u32> {
+        self.poke(py, |c| Ok(c.add_publisher()))
     }
 
-    fn add_location(&mut self, publisher: u32) -> PyResult<u32> {
-        self.check_pub(publisher)?;
-        Ok(self.c.add_location(publisher))
+    fn add_location(&self, py: Python<'_>, publisher: u32) -> PyResult<u32> {
+        self.poke(py, |c| {
+            c.check_pub(publisher)?;
+            Ok(c.add_location(publisher))
+        })
     }
 
-    /// A new scope whose keys are mixed with the 16-byte `salt`; returns its id.
-    fn add_scope(&mut self, salt: &[u8]) -> PyResult<u32> {
+    /// A new scope whose keys are mixed with the 16-byte `salt`: (id, serial). The serial is
+    /// this scope's alone: an id freed and reused later gets another serial.
+    fn add_scope(&self, py: Python<'_>, salt: &[u8]) -> PyResult<(u32, u64)> {
         if salt.len() != 16 {
             return Err(PyValueError::new_err("salt: 16 bytes"));
         }
         let (hi, lo) = be_key(salt);
-        self.c.add_scope(hi, lo).ok_or_else(|| PyValueError::new_err("65,535 scopes are live: release some first"))
+        self.poke(py, |c| c.add_scope(hi, lo).ok_or_else(|| "65,535 scopes are live: release some first".to_string().into()))
     }
 
-    fn take_empty_scopes(&mut self) -> Vec<u32> {
-        self.c.take_empty_scopes()
+    fn take_empty_scopes(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        self.poke(py, |c| Ok(c.take_empty_scopes()))
     }
 
     /// Free a scope id that holds no block; False when it still holds some.
-    fn release_scope(&mut self, sid: u32) -> PyResult<bool> {
-        self.check_scope(sid)?;
-        Ok(self.c.release_scope(sid))
+    fn release_scope(&self, py: Python<'_>, sid: u32) -> PyResult<bool> {
+        self.poke(py, |c| {
+            c.check_scope(sid)?;
+            Ok(c.release_scope(sid))
+        })
     }
 
-    fn scope_blocks(&self, sid: u32) -> PyResult<u64> {
-        self.check_scope(sid)?;
-        Ok(self.c.scopes[sid as usize].blocks)
+    fn scope_blocks(&self, py: Python<'_>, sid: u32) -> PyResult<u64> {
+        self.peek(py, |c| {
+            c.check_scope(sid)?;
+            Ok(c.scopes[sid as usize].blocks)
+        })
     }
 
-    fn store(&mut self, py: Python<'_>, publisher: u32, loc: u32, sid: u32, keys: &Bound<'_, PyAny>,
+    fn store(&self, py: Python<'_>, publisher: u32, loc: u32, sid: u32, keys: &Bound<'_, PyAny>,
              hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
-        self.check_loc(publisher, loc)?;
-        self.check_scope(sid)?;
         let keys = Keys::of(keys)?.to_vec(py);
         let hashes = hashes_of(hashes)?;
         if keys.len() != hashes.len() {
             return Err(PyValueError::new_err(format!("{} keys for {} engine hashes", keys.len(), hashes.len())));
         }
-        self.c.store(publisher, loc, sid, &keys, &hashes);
-        Ok(keys.len())
+        self.write(py, |c| {
+            c.check_loc(publisher, loc)?;
+            c.check_scope(sid)?;
+            c.store(publisher, loc, sid, &keys, &hashes);
+            Ok(keys.len())
+        })
     }
 
-    fn store_tier(&mut self, publisher: u32, loc: u32, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
-        self.check_loc(publisher, loc)?;
+    fn store_tier(&self, py: Python<'_>, publisher: u32, loc: u32, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
         let hashes = hashes_of(hashes)?;
-        Ok(self.c.store_tier(publisher, loc, &hashes))
+        self.write(py, |c| {
+            c.check_loc(publisher, loc)?;
+            Ok(c.store_tier(publisher, loc, &hashes))
+        })
     }
 
     #[pyo3(signature = (publisher, loc, hashes))]
-    fn remove(&mut self, publisher: u32, loc: Option<u32>, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
-        match loc {
-            Some(l) => self.check_loc(publisher, l)?,
-            None => self.check_pub(publisher)?,
-        }
+    fn remove(&self, py: Python<'_>, publisher: u32, loc: Option<u32>, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
         let hashes = hashes_of(hashes)?;
-        Ok(self.c.remove(publisher, loc, &hashes))
+        self.write(py, |c| {
+            match loc {
+                Some(l) => c.check_loc(publisher, l)?,
+                None => c.check_pub(publisher)?,
+            }
+            Ok(c.remove(publisher, loc, &hashes))
+        })
     }
 
-    fn clear(&mut self, publisher: u32, locs: Vec<u32>, all: bool) -> PyResult<()> {
-        for &l in &locs {
-            self.check_loc(publisher, l)?;
-        }
-        self.c.clear(publisher, &locs, all);
-        Ok(())
+    fn clear(&self, py: Python<'_>, publisher: u32, locs: Vec<u32>, all: bool) -> PyResult<()> {
+        self.write(py, |c| {
+            for &l in &locs {
+                c.check_loc(publisher, l)?;
+            }
+            c.clear(publisher, &locs, all);
+            Ok(())
+        })
     }
 
     fn parent_key<'py>(&self, py: Python<'py>, publisher: u32, engine_hash: u64) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        self.check_pub(publisher)?;
-        Ok(self.c.parent_key(publisher, engine_hash).map(|k| be_bytes_keys(py, &[k])))
+        let key = self.peek(py, |c| {
+            c.check_pub(publisher)?;
+            Ok(c.parent_key(publisher, engine_hash))
+        })?;
+        Ok(key.map(|k| be_bytes_keys(py, &[k])))
     }
 
     /// `[(loc, prefix_blocks, ((start, end), ...)), ...]` for every location holding a key.
-    fn lookup<'py>(&mut self, py: Python<'py>, sid: u32, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        self.check_scope(sid)?;
-        let keys = Keys::of(keys)?;
-        let n = keys.len();
-        let c = &mut self.c;
-        let acc = keys.with(py, |k| c.lookup(sid, n, k));
+    /// With `serial` (from `add_scope`): None when `sid` is no longer that scope (released, maybe
+    /// reused), instead of an error or another scope's blocks.
+    #[pyo3(signature = (sid, keys, serial = None))]
+    fn lookup<'py>(&self, py: Python<'py>, sid: u32, keys: &Bound<'py, PyAny>, serial: Option<u64>)
+                   -> PyResult<Option<Bound<'py, PyList>>> {
+        let keys = Keys::of(keys)?.to_vec(py);
+        let found = self.read(py, |c| match serial {
+            Some(s) if !(c.scope_live(sid) && c.scopes[sid as usize].serial == s) => Ok(None),
+            _ => {
+                c.check_scope(sid)?;
+                Ok(Some(c.lookup(sid, &keys)))
+            }
+        })?;
+        let Some(acc) = found else { return Ok(None) };
         let out = PyList::empty(py);
         for (loc, runs) in acc {
             let (prefix, rest) = if runs[0].0 == 0 { (runs[0].1, &runs[1..]) } else { (0, &runs[..]) };
             let ext = PyTuple::new(py, rest.iter().map(|&(s, e)| (s, e)))?;
             out.append((loc, prefix, ext))?;
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// Size the block table for `blocks` blocks now, so growing to them rebuilds nothing.
-    fn presize(&mut self, blocks: usize) {
-        self.c.presize(blocks);
+    fn presize(&self, py: Python<'_>, blocks: usize) -> PyResult<()> {
+        let most = BlockTable::max_keys(MAX_LOAD);
+        if blocks > most {
+            return Err(PyValueError::new_err(format!(
+                "presize: {blocks} blocks is more than a block table holds with 32-bit slot ids ({most})"
+            )));
+        }
+        self.write(py, |c| {
+            c.presize(blocks);
+            Ok(())
+        })
     }
 
     /// Forget whole blocks until `excess` memberships are gone: (memberships, blocks) forgotten.
-    fn forget(&mut self, excess: u64) -> (u64, u64) {
-        let f = self.c.forget(excess);
-        (f.memberships, f.blocks)
+    fn forget(&self, py: Python<'_>, excess: u64) -> PyResult<(u64, u64)> {
+        self.write(py, |c| {
+            let f = c.forget(excess);
+            Ok((f.memberships, f.blocks))
+        })
     }
 
-    fn forget_scopes(&mut self, sids: Vec<u32>) -> (u64, u64) {
-        let f = self.c.forget_scopes(&sids);
-        (f.memberships, f.blocks)
+    fn forget_scopes(&self, py: Python<'_>, sids: Vec<u32>) -> PyResult<(u64, u64)> {
+        self.write(py, |c| {
+            let f = c.forget_scopes(&sids);
+            Ok((f.memberships, f.blocks))
+        })
     }
 
     /// `[(loc, scope ids as uint32 bytes, keys as 16-byte digests), ...]`.
-    fn facts<'py>(&self, py: Python<'py>) -> Vec<(u32, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        self.c
-            .facts()
+    #[allow(clippy::type_complexity)]
+    fn facts<'py>(&self, py: Python<'py>) -> PyResult<Vec<(u32, Bound<'py, PyBytes>, Bound<'py, PyBytes>)>> {
+        let facts = self.read(py, |c| Ok(c.facts()))?;
+        Ok(facts
             .into_iter()
             .map(|(loc, scopes, keys)| (loc, le_bytes_u32(py, &scopes), be_bytes_keys(py, &keys)))
-            .collect()
+            .collect())
     }
 
     /// A publisher's state: (hashes u64 LE bytes, keys 16-byte digests, scope ids u32 LE bytes,
@@ -290,61 +366,68 @@ impl PyCore {
     #[allow(clippy::type_complexity)]
     fn export<'py>(&self, py: Python<'py>, publisher: u32)
                    -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Vec<(u32, Bound<'py, PyBytes>)>)> {
-        self.check_pub(publisher)?;
-        let (h, k, s, held) = self.c.export(publisher);
+        let (h, k, s, held) = self.read(py, |c| {
+            c.check_pub(publisher)?;
+            Ok(c.export(publisher))
+        })?;
         let held = held.into_iter().map(|(loc, rows)| (loc, le_bytes_u32(py, &rows))).collect();
         Ok((le_bytes_u64(py, &h), be_bytes_keys(py, &k), le_bytes_u32(py, &s), held))
     }
 
-    fn restore(&mut self, py: Python<'_>, publisher: u32, hashes: &Bound<'_, PyAny>, keys: &Bound<'_, PyAny>,
+    fn restore(&self, py: Python<'_>, publisher: u32, hashes: &Bound<'_, PyAny>, keys: &Bound<'_, PyAny>,
                scopes: &[u8], held: Vec<(u32, Vec<u8>)>) -> PyResult<()> {
-        self.check_pub(publisher)?;
         let hashes = hashes_of(hashes)?;
         let keys = Keys::of(keys)?.to_vec(py);
         let scopes = u32s(scopes)?;
         if keys.len() != hashes.len() || scopes.len() != hashes.len() {
             return Err(PyValueError::new_err("restore: hashes, keys and scopes differ in length"));
         }
-        for &s in &scopes {
-            self.check_scope(s)?;
-        }
         let mut rows = Vec::with_capacity(held.len());
         for (loc, raw) in held {
-            self.check_loc(publisher, loc)?;
             let r = u32s(&raw)?;
             if r.iter().any(|&x| x as usize >= hashes.len()) {
                 return Err(PyValueError::new_err("restore: a held row is out of range"));
             }
             rows.push((loc, r));
         }
-        self.c.restore(publisher, &hashes, &keys, &scopes, &rows);
-        Ok(())
+        self.write(py, |c| {
+            c.check_pub(publisher)?;
+            for &s in &scopes {
+                c.check_scope(s)?;
+            }
+            for (loc, _) in &rows {
+                c.check_loc(publisher, *loc)?;
+            }
+            c.restore(publisher, &hashes, &keys, &scopes, &rows);
+            Ok(())
+        })
     }
 
     #[getter]
-    fn memberships(&self) -> u64 {
-        self.c.memberships
+    fn memberships(&self, py: Python<'_>) -> PyResult<u64> {
+        self.peek(py, |c| Ok(c.memberships))
     }
 
     #[getter]
-    fn blocks(&self) -> usize {
-        self.c.blocks_live()
+    fn blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |c| Ok(c.blocks_live()))
     }
 
     #[getter]
-    fn live_scopes(&self) -> usize {
-        self.c.live_scopes()
+    fn live_scopes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |c| Ok(c.live_scopes()))
     }
 
     #[getter]
-    fn location_sets(&self) -> usize {
-        self.c.sets.len()
+    fn location_sets(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |c| Ok(c.sets.len()))
     }
 
-    /// Bytes held by the core's tables and lists (allocated capacity).
+    /// Bytes held by the core's tables and lists (allocated capacity; lookups' per-thread working
+    /// arrays not included).
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.c.nbytes()
+    fn nbytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |c| Ok(c.nbytes()))
     }
 }
 

@@ -1,18 +1,20 @@
 """ReferenceIndex: the global index's semantics, written as plainly as possible.
 
 A dict of sets per (publisher, tier, group) and a dict per publisher from engine hash to block.
-It is the oracle of the property tests (``tests/nexuskv/test_index_properties.py``) and the
-"plain dict-of-sets index" baseline of the index benchmarks. It follows the rules written in
+It is the oracle of the property tests (``tests/nexuskv/test_index_properties.py`` and the
+others that compare :class:`~nexuskv.index.GlobalIndex` with it) and the "plain dict-of-sets
+index" baseline of the index benchmarks (``benchmarks/bench_index.py``; the peer benchmark's
+dict baseline answers with :func:`location_runs` too). It follows the rules written in
 :mod:`nexuskv.index` (sequence numbers, incarnations, resyncs, scoped removals and clears, the
 engine-hash map whose entries live while their publisher holds their block somewhere) but shares
-none of its code
-except the key computation, and has no memory bound. Do not use it in a service: a membership
-costs several hundred bytes here.
+none of its code except the key computation, and has no memory bound. The native core
+(``nexuskv/native/``) is the other statement of these rules; there is no third. Test code only:
+a membership costs several hundred bytes here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, Snapshot
 from nexuskv.descriptor import Tier
@@ -21,10 +23,41 @@ from nexuskv.errors import IdentityError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 
-__all__ = ["ReferenceIndex"]
+__all__ = ["ReferenceIndex", "location_runs", "prefix_and_extents"]
 
 Block = tuple[IdentityScope, int]
 Where = tuple[str, Tier, int]
+
+
+def location_runs(present: Sequence[Collection[Hashable]]) -> dict[Hashable, list[list[int]]]:
+    """Per location, the runs ``[start, end)`` of consecutive query blocks it holds, in order;
+    ``present[i]`` is the set of locations holding query block ``i``.
+
+    Consecutive blocks held by the same locations are one stretch, taken at once (a prompt's
+    blocks mostly are): a run grows by the whole stretch."""
+    runs: dict[Hashable, list[list[int]]] = {}
+    n, i = len(present), 0
+    while i < n:
+        here, j = present[i], i + 1
+        while j < n and (present[j] is here or present[j] == here):  # identity first: interned sets
+            j += 1
+        for loc in here:
+            got = runs.get(loc)
+            if got is None:
+                runs[loc] = [[i, j]]
+            elif got[-1][1] == i:
+                got[-1][1] = j
+            else:
+                got.append([i, j])
+        i = j
+    return runs
+
+
+def prefix_and_extents(runs: list[list[int]]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """A location's runs as a match: the prefix (blocks from 0 on, 0 when block 0 is not held)
+    and the runs after it."""
+    prefix = runs[0][1] if runs[0][0] == 0 else 0
+    return prefix, tuple((s, e) for s, e in (runs[1:] if prefix else runs))
 
 
 class _Pub:
@@ -152,20 +185,12 @@ class ReferenceIndex:
 
     def lookup(self, scope: IdentityScope, keys: Sequence[int]) -> LookupResult:
         keys = [int(k) for k in keys]
+        present = [frozenset(where for where, blocks in self.facts.items() if (scope, k) in blocks) for k in keys]
+        runs = location_runs(present)
         matches = []
-        for (name, tier, group), blocks in sorted(self.facts.items(), key=lambda kv: (kv[0][0], kv[0][1].value, kv[0][2])):
-            present = [(scope, k) in blocks for k in keys]
-            if not any(present):
-                continue
-            runs: list[list[int]] = []
-            for i, here in enumerate(present):
-                if here:
-                    if runs and runs[-1][1] == i:
-                        runs[-1][1] = i + 1
-                    else:
-                        runs.append([i, i + 1])
-            prefix = runs[0][1] if runs[0][0] == 0 else 0
-            rest = runs[1:] if prefix else runs
+        for where in sorted(runs, key=lambda w: (w[0], w[1].value, w[2])):
+            name, tier, group = where
+            prefix, rest = prefix_and_extents(runs[where])
             matches.append(LocationMatch(EntryLocation(worker=name, tier=tier, group=group), name, prefix,
                                          tuple(Extent(s, e) for s, e in rest), self.pubs[name].certain))
         return LookupResult(num_blocks=len(keys), matches=tuple(matches))
