@@ -25,8 +25,9 @@ refused by utility with a reason) and none failed; every managed tier's used + r
 within its capacity at every sample; an index rebuilt from ``nexuskv.kv-events`` equal to what
 every tier manager's tiers really hold; every service's RSS bounded (the last third of the run
 within ``rss_growth`` of the first third); every process alive, no traceback in any service log;
-the recurring prefix found by the planner in most of its requests (``hit rate``), while the
-evicted blocks are one-off ones.
+the recurring prefix found by the planner in most of its requests (``hit rate``: matched whole in
+a tier, whether or not the cost model chose to load it, which is ``recurring_reuse_rate``), while
+the evicted blocks are one-off ones.
 
 ``python -m benchmarks.soak_tiers --minutes 10`` writes ``benchmarks/results/soak_tiers.json``
 (``benchmarks/README.md``); ``tests/benchmarks/test_soak.py`` runs a one-minute version in CI.
@@ -128,6 +129,8 @@ class SoakResult:
     refusal_reasons: Counter = field(default_factory=Counter)
     recurring_hits: int = 0
     recurring_requests: int = 0
+    recurring_reused: int = 0  # recurring requests whose decision reused the whole prefix
+    recurring_misses: Counter = field(default_factory=Counter)  # why a recurring request did not find it
     overfill: dict[str, float] = field(default_factory=dict)  # blocks written / capacity, per tier
     capacity_violations: list[str] = field(default_factory=list)
     index_equal: dict[str, bool] = field(default_factory=dict)
@@ -161,7 +164,8 @@ class SoakResult:
         out += [f"{k} died" for k, ok in self.alive.items() if not ok]
         out += [f"{k} logged {n} tracebacks" for k, n in self.tracebacks.items() if n]
         if self.recurring_requests and self.recurring_hit_rate < 0.8:
-            out.append(f"recurring prefix hit rate {self.recurring_hit_rate:.2f} < 0.8")
+            out.append(f"recurring prefix found in {self.recurring_hit_rate:.2f} of its requests < 0.8: "
+                       f"{dict(self.recurring_misses.most_common(3))}")
         if self.evicted_recurring > self.evicted_one_off:
             out.append("more recurring than one-off blocks were evicted")
         return out
@@ -170,6 +174,7 @@ class SoakResult:
         d = {f.name: (dict(getattr(self, f.name)) if isinstance(getattr(self, f.name), Counter)
                       else getattr(self, f.name)) for f in fields(self)}
         d["recurring_hit_rate"] = self.recurring_hit_rate
+        d["recurring_reuse_rate"] = self.recurring_reused / self.recurring_requests if self.recurring_requests else 0.0
         d["failures"] = self.failures()
         return d
 
@@ -348,7 +353,14 @@ async def _engine_loop(engine: _Engine, config: SoakConfig, outcomes: _Outcomes,
             engine.manager.touch([PayloadKey(d.descriptor_id, k, 0) for k in keys[:decision.reused_blocks]])
         if recurring:
             result.recurring_requests += 1
-            result.recurring_hits += decision.reused_blocks >= config.system_blocks
+            # Found: the planner matched the whole shared prefix in a tier (the decision or an option it
+            # weighed reuses it). Whether loading it pays is the cost model's call, which on a loaded
+            # machine can rightly say recompute (a host copy measured slower than a short prefill).
+            found = max([decision.reused_blocks, *(a.reused_blocks for a in decision.alternatives)])
+            result.recurring_hits += found >= config.system_blocks
+            result.recurring_reused += decision.reused_blocks >= config.system_blocks
+            if found < config.system_blocks:
+                result.recurring_misses[f"{decision.action.value}: {decision.reason[:100]}"] += 1
         # The prefill is done: the engine offloads the prompt's blocks, as a connector does.
         out = await asyncio.to_thread(engine.manager.save, _blocks(tokens, keys, d, identity, n), Tier.HOST,
                                       tenant=TENANT)

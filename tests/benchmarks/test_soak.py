@@ -4,7 +4,7 @@
 the same code with a shorter duration, against the session's Apache Kafka. Every check of the soak
 must hold: saves answered and none failed, tiers within capacity, the index equal to what every
 tier manager's tiers hold, RSS bounded, every service alive without a traceback, the recurring
-prefix found by the planner, one-off blocks evicted rather than recurring ones.
+prefix found by the planner (matched whole in a tier; loading it is the cost model's call), one-off blocks evicted rather than recurring ones.
 """
 
 from __future__ import annotations
