@@ -31,6 +31,7 @@ from nexuskv.dataplane.remote_store import (
 )
 from nexuskv.errors import ConfigError, NexusKVError
 from streams.bus.process import ManagedProcess, free_port
+from streams.bus.health import HEALTH
 from streams.telemetry import init_service
 
 __all__ = ["main", "local_address", "RemoteTierStore"]
@@ -135,10 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"nexuskv remote tier: Mooncake Store at {address} ({settings.remote_tier_bytes} bytes; "
           f"logs in {log_dir})", flush=True)
     code = 0
+    HEALTH.set_ready("store", True, "")
+    HEALTH.beat()
     while not stop.wait(0.5):
+        HEALTH.beat()
         if not store.alive():
             dead = store.master if not store.master.alive() else store.segment
             print(f"nexuskv remote tier: {dead.name} exited; log tail:\n{dead.log_tail()}", file=sys.stderr, flush=True)
+            HEALTH.fail(f"{dead.name} exited")
             code = 1
             break
     store.stop()

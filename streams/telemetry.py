@@ -27,14 +27,18 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from streams.bus.health import HEALTH, Health
-from streams.bus.metrics import REGISTRY
+from streams.bus.metrics import METRICS, REGISTRY
 
 __all__ = [
+    "BoundedSpanProcessor",
+    "CountingExporter",
+    "otlp_processor",
     "decision_attributes",
     "health_wsgi_app",
     "init_service",
@@ -55,13 +59,107 @@ def install_tracer_provider(provider: TracerProvider) -> None:
     trace.set_tracer_provider(provider)
 
 
+#: Most ended spans waiting for export; past it a span is dropped (counted), never waited for.
+EXPORT_QUEUE_SPANS = 4096
+#: Most seconds one export call may take, its retries included (the SDK's default is 10 s).
+EXPORT_TIMEOUT_S = 2.0
+
+
+class CountingExporter(SpanExporter):
+    """An exporter that counts what it hands on and what fails (``nexuskv_spans_exported`` and
+    ``nexuskv_spans_dropped{reason="export_failed"}``), and knows how many spans it was given."""
+
+    def __init__(self, inner: SpanExporter, service: str) -> None:
+        self.inner = inner
+        self.service = service
+        self.handed = 0  # spans passed to export(), whatever became of them
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.handed += len(spans)
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:  # an exporter must not raise; if it does, the spans are lost, counted
+            log.warning("span export raised %s: %d spans dropped", type(exc).__name__, len(spans))
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            METRICS.spans_exported.labels(self.service).inc(len(spans))
+        else:
+            METRICS.spans_dropped.labels(self.service, "export_failed").inc(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class BoundedSpanProcessor(SpanProcessor):
+    """Batch export that never holds a request: ``on_end`` only enqueues, and a span that finds
+    ``max_queue`` spans already waiting is dropped and counted
+    (``nexuskv_spans_dropped{reason="queue_full"}``), so a collector that is down or hangs costs
+    the traced code nothing but the spans (the SDK's own batch processor also drops, but
+    uncounted). Export runs on the SDK's worker thread, each call bounded by the exporter's
+    timeout."""
+
+    def __init__(self, exporter: SpanExporter, service: str, *, max_queue: int = EXPORT_QUEUE_SPANS,
+                 schedule_delay_ms: float = 500.0, max_batch: int = 512) -> None:
+        self.exporter = CountingExporter(exporter, service)
+        self.service = service
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._queued = 0  # spans passed to the batch processor
+        # The inner queue is one batch larger than ours: it never drops on its own.
+        self._batch = BatchSpanProcessor(self.exporter, max_queue_size=max_queue + max_batch,
+                                         schedule_delay_millis=schedule_delay_ms,
+                                         max_export_batch_size=min(max_batch, max_queue))
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        self._batch.on_start(span, parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if not (span.context and span.context.trace_flags.sampled):
+            return
+        with self._lock:
+            if self._queued - self.exporter.handed >= self.max_queue:
+                full = True
+            else:
+                full = False
+                self._queued += 1
+        if full:
+            METRICS.spans_dropped.labels(self.service, "queue_full").inc()
+            return
+        self._batch.on_end(span)
+
+    def waiting(self) -> int:
+        """Spans enqueued and not yet handed to the exporter."""
+        return self._queued - self.exporter.handed
+
+    def shutdown(self) -> None:
+        self._batch.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._batch.force_flush(timeout_millis)
+
+
+def otlp_processor(service: str, otlp_endpoint: str, *, timeout_s: float = EXPORT_TIMEOUT_S,
+                   max_queue: int = EXPORT_QUEUE_SPANS) -> BoundedSpanProcessor:
+    """OTLP/HTTP export of ``service``'s spans to ``otlp_endpoint`` (a collector's base URL), bounded."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces", timeout=timeout_s)
+    return BoundedSpanProcessor(exporter, service, max_queue=max_queue)
+
+
 def setup_tracing(service: str, otlp_endpoint: str | None, *, extra: Sequence[SpanProcessor] = ()) -> TracerProvider | None:
-    """Configure this process to export spans of ``service``; None when tracing stays off."""
+    """Configure this process to export spans of ``service``; None when tracing stays off.
+
+    Export is bounded (:class:`BoundedSpanProcessor`): a collector that is down, slow or hung never
+    slows or fails a request; what could not be exported is counted on ``nexuskv_spans_dropped``.
+    """
     processors: list[SpanProcessor] = list(extra)
     if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        processors.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")))
+        processors.append(otlp_processor(service, otlp_endpoint))
     if not processors:
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": service}))

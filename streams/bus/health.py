@@ -43,7 +43,9 @@ class Health:
         METRICS.alive.labels(self.service).set(0)
 
     def beat(self) -> None:
+        """The process's loop answered (an event loop's heartbeat task, or a service's own watch loop)."""
         self._beat = time.monotonic()
+        METRICS.alive.labels(self.service).set(1 if self.alive()[0] else 0)
 
     def alive(self) -> tuple[bool, str]:
         with self._lock:
@@ -68,7 +70,6 @@ class Health:
 
         while True:
             self.beat()
-            METRICS.alive.labels(self.service).set(1 if self.alive()[0] else 0)
             await asyncio.sleep(interval_s)
 
 

@@ -35,6 +35,11 @@ class _Metrics:
         self.unrecoverable = Counter("nexuskv_index_unrecoverable_records",
                                      "kv-events records that retention removed before this index applied them",
                                      ["service", "topic"], registry=registry)
+        # reason: queue_full (the collector is behind or down), export_failed (it refused or timed out).
+        self.spans_dropped = Counter("nexuskv_spans_dropped", "ended spans not exported",
+                                     ["service", "reason"], registry=registry)
+        self.spans_exported = Counter("nexuskv_spans_exported", "spans the collector accepted", ["service"],
+                                      registry=registry)
         self.alive = Gauge("nexuskv_service_alive", "1 while no supervised task failed and the loop answers",
                            ["service"], registry=registry)
         self.ready = Gauge("nexuskv_service_ready", "1 while every readiness condition of the service holds",

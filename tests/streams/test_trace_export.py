@@ -1,0 +1,113 @@
+"""Trace export never holds a request: a collector that is down or hung costs spans, counted.
+
+Real OTLP/HTTP exporter (the one ``NEXUSKV_OTLP_ENDPOINT`` configures) against a port nothing
+listens on and against a server that accepts connections and never answers.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from streams.bus.metrics import METRICS
+from streams.telemetry import BoundedSpanProcessor, otlp_processor
+
+
+def _dropped(service: str, reason: str) -> float:
+    return METRICS.spans_dropped.labels(service, reason)._value.get()
+
+
+def _exported(service: str) -> float:
+    return METRICS.spans_exported.labels(service)._value.get()
+
+
+@pytest.fixture
+def hung_collector():
+    """A TCP server that accepts every connection and never sends a byte."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            held.append(conn)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join(2)
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _end_spans(processor: BoundedSpanProcessor, n: int) -> float:
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    t0 = time.perf_counter()
+    for i in range(n):
+        with tracer.start_as_current_span("request") as span:
+            span.set_attribute("i", i)
+    return time.perf_counter() - t0
+
+
+def test_a_hung_collector_costs_spans_counted_never_the_caller(hung_collector):
+    service = "test-hung"
+    processor = otlp_processor(service, hung_collector, timeout_s=1.0, max_queue=100)
+    before = _dropped(service, "queue_full")
+    elapsed = _end_spans(processor, 2000)
+    # The export thread is stuck in its first call for a second; the 2000 spans ended meanwhile.
+    # A caller that waited on the collector would take >= 1 s per blocked export.
+    assert elapsed < 1.0, f"ending 2000 spans took {elapsed:.2f} s against a hung collector"
+    dropped = _dropped(service, "queue_full") - before
+    assert dropped >= 2000 - 100 - 512, dropped  # at most the queue and one batch in flight got through
+    assert processor.waiting() <= 100
+    processor.shutdown()
+
+
+def test_a_collector_that_is_down_fails_exports_counted():
+    service = "test-down"
+    processor = otlp_processor(service, f"http://127.0.0.1:{_closed_port()}", timeout_s=0.5, max_queue=1000)
+    before = _dropped(service, "export_failed")
+    elapsed = _end_spans(processor, 50)
+    assert elapsed < 0.5, elapsed
+    processor.force_flush(5000)
+    deadline = time.monotonic() + 10
+    while _dropped(service, "export_failed") - before < 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _dropped(service, "export_failed") - before == 50
+    assert _exported(service) == 0
+    processor.shutdown()
+
+
+def test_a_live_collector_gets_every_span(jaeger):
+    service = "test-export-live"
+    processor = otlp_processor(service, jaeger.otlp_http_url)
+    _end_spans(processor, 20)
+    assert processor.force_flush(10_000)
+    assert _exported(service) == 20
+    assert _dropped(service, "queue_full") == 0 and _dropped(service, "export_failed") == 0
+    processor.shutdown()
