@@ -126,8 +126,9 @@ def test_report_prints_tables_and_writes_pngs(tmp_path):
     assert "== reuse rates ==" in tables and "fallback and rejection reasons" in tables
     assert "== replay rp: measured requests" in tables and "transfers completed 1 of 1 planned" in tables
     assert sorted(p.name for p in plots) == ["bandwidth_vs_size.png", "eg_distribution.png", "prediction_error.png",
-                                              "replay_eg_predicted_vs_observed.png", "replay_prediction_error.png",
-                                              "replay_ttft_cdf.png", "ttft_cdf.png"]
+                                              "replay_observed_gain.png", "replay_prediction_error.png",
+                                              "replay_ttft_cdf.png", "replay_ttft_predicted_vs_observed.png",
+                                              "ttft_cdf.png"]
     for p in plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000
 
