@@ -36,8 +36,11 @@ A consumer reads a producer's records from several partitions in an interleaving
 fix; the window's width is what one producer may send to other partitions while a consumer lags
 on one of them (:data:`WINDOW` records), beyond which a late record is refused and counted.
 
-A producer that resends a record after a broker error resends the same header: the second copy
-is refused as replayed, which is what a consumer of an at-least-once stream wants.
+A copy of a record that the Kafka client resends by itself (a produce request retried after a
+lost acknowledgement) carries the same header and is refused as replayed: the consumer took it
+once, which is what it wants. A service that sends a record again (the planner after a broker
+outage) signs it again, with a new seq: its consumers then see it twice, as they did before
+signing, and drop the repeat by its own id.
 
 Pure functions and a clock-free state machine (hmac, hashlib, struct): no I/O; the caller passes
 the time.
