@@ -828,9 +828,9 @@ class TierManager:
         now = self.clock()
         if expires_at <= now or nbytes <= 0:
             return "nothing to reserve: expired or empty"
-        if expires_at > now + self.prefetch_max_s:
+        shortened = expires_at > now + self.prefetch_max_s
+        if shortened:
             expires_at = now + self.prefetch_max_s  # whatever the sender asked, room is held this long at most
-            self.counters["reservations_shortened"] += 1
         events: list[TierChange] = []
         with self._lock:
             if transfer_id in self._held:
@@ -853,6 +853,7 @@ class TierManager:
             else:
                 self._held[transfer_id] = _Held(backend, reservation, expires_at, tenant)
                 self.counters["reservations"] += 1
+                self.counters["reservations_shortened"] += shortened
                 result = None
         self._queue(events)
         self.flush()
