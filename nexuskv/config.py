@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nexuskv.errors import ConfigError
 
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _STORE_ADDRESS = re.compile(r"^mooncake://(\[[^\]]+\]|[^:/?\[\]]+):([0-9]{1,5})(\?admin=([0-9]{1,5}))?/?$")
 
 __all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "parse_publisher_keys", "setting_rows",
@@ -132,10 +134,12 @@ class Settings(BaseModel):
     )
     bus_secret: str = _env(
         "NEXUSKV_BUS_SECRET",
-        "Secret (16-256 bytes) that authenticates kv-events publishers: each publisher signs its batches "
-        "with a key derived from it and its name, and the index worker and every index replica drop (and "
-        "dead-letter) a batch that is unsigned or signed for another publisher. Empty: batches are not "
-        "authenticated.",
+        "Secret (16-256 bytes) that authenticates kv-events publishers and control producers: each publisher "
+        "signs its batches, and each planner and executor its placement hints, transfer commands and transfer "
+        "results, with a key derived from it and its name; the index worker, every index replica, the tier "
+        "managers, the executors and the planner drop (and dead-letter) a record that is unsigned, signed for "
+        "another producer or topic, from a producer the topic does not entitle, or replayed. Empty: nothing is "
+        "authenticated, and a deployment with more than one tenant refuses to start.",
         "",
         max_length=256,
     )
@@ -145,6 +149,13 @@ class Settings(BaseModel):
         "publisher-key NAME`), for engine hosts that should not hold NEXUSKV_BUS_SECRET. Used before the "
         "bus secret.",
         "",
+    )
+    control_max_age_s: float = _env(
+        "NEXUSKV_CONTROL_MAX_AGE",
+        "Seconds after it was sent that a signed control record (placement hint, transfer command, transfer "
+        "result) is still taken; older ones are refused as stale. It bounds the replay window: a consumer "
+        "remembers which records it took for this long (nexuskv.contracts.control_signature).",
+        300.0, gt=0, le=86400,
     )
     kv_events_tokens: Literal["off", "on"] = _env(
         "NEXUSKV_KV_EVENTS_TOKENS",
@@ -170,6 +181,11 @@ class Settings(BaseModel):
     metrics_port: int = _env(
         "NEXUSKV_METRICS_PORT", "Port of a service's Prometheus `/metrics` endpoint; 0: off. `nexuskv up` "
         "gives its services this port, +1, +2, ... in start order.", 0, ge=0, le=65535
+    )
+    metrics_host: str = _env(
+        "NEXUSKV_METRICS_HOST", "Address a service's `/metrics`, `/livez` and `/readyz` endpoint binds: "
+        "loopback by default; `0.0.0.0` (or `::`) to let a Prometheus on another host scrape it.",
+        "127.0.0.1", min_length=1, max_length=255,
     )
     decision_db: Path | None = _env(
         "NEXUSKV_DECISION_DB",
@@ -273,6 +289,16 @@ class Settings(BaseModel):
     tier_pin_fraction: float = _env(
         "NEXUSKV_TIER_PIN_FRACTION", "Share of each managed tier's capacity that pins may hold.", 0.5, ge=0, le=1,
     )
+    tier_prefetch_fraction: float = _env(
+        "NEXUSKV_TIER_PREFETCH_FRACTION",
+        "Share of each managed tier's capacity that prefetch hints may hold reserved at once (each hint's room "
+        "counts until its copy lands or it expires); a hint beyond it is refused and counted.", 0.25, gt=0, le=1,
+    )
+    tier_prefetch_max_s: float = _env(
+        "NEXUSKV_TIER_PREFETCH_MAX",
+        "Most seconds a prefetch hint may hold its room: a later `expires_at` is cut to now plus this.",
+        60.0, gt=0, le=3600,
+    )
     tier_lease_s: float = _env(
         "NEXUSKV_TIER_LEASE",
         "Seconds after its deadline that a copy from outside the worker (no identity: the index cannot find it) "
@@ -362,6 +388,17 @@ class Settings(BaseModel):
             raise ValueError(f"unknown logging level {value!r}")
         return level
 
+    @field_validator("metrics_host")
+    @classmethod
+    def _metrics_host(cls, value: str) -> str:
+        host = value.strip()
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOSTNAME.fullmatch(host):
+                raise ValueError(f"{host!r} is neither an IP address nor a host name") from None
+        return host
+
     @field_validator("bus_secret")
     @classmethod
     def _bus_secret(cls, value: str) -> str:
@@ -386,6 +423,12 @@ class Settings(BaseModel):
                 f"the index API tokens name {len(tenants)} tenants; a deployment with more than one tenant needs "
                 f"an identity secret of at least {MIN_SHARED_SECRET} bytes, or anyone can compute another "
                 "tenant's block keys"))
+        if len(tenants) > 1 and not self.bus_secret:
+            raise ConfigError("NEXUSKV_BUS_SECRET", (
+                f"the index API tokens name {len(tenants)} tenants; a deployment with more than one tenant needs "
+                f"a bus secret of at least {MIN_SHARED_SECRET} bytes, or anyone who can write to the bus can "
+                "publish another tenant's kv-events and the placement hints and transfer commands that move and "
+                "evict its state"))
         return self
 
     @field_validator("index_api_tokens")

@@ -8,6 +8,7 @@
     ├── ContractError          a wire payload or descriptor does not satisfy its contract
     │   ├── SchemaVersionError the payload's schema version is not one this build reads
     │   └── UnauthenticatedError a record's signature is missing or not its publisher's
+    │       └── ReplayedError  a genuinely signed record taken before, or too old to be taken
     ├── IdentityError          tokens or scope cannot produce a canonical block key
     ├── IncompatibleStateError state exists but may not be reused; ``.reason`` says why
     ├── BrokerError            the event bus could not be reached, started or stopped
@@ -30,6 +31,7 @@ __all__ = [
     "ContractError",
     "SchemaVersionError",
     "UnauthenticatedError",
+    "ReplayedError",
     "IdentityError",
     "IncompatibleStateError",
     "BrokerError",
@@ -94,6 +96,11 @@ class SchemaVersionError(ContractError):
 
 class UnauthenticatedError(ContractError):
     """A record that must be signed is unsigned, or signed with another key than its publisher's."""
+
+
+class ReplayedError(UnauthenticatedError):
+    """A validly signed record that was taken already (its producer's sequence number was seen), or
+    that falls outside the window in which a consumer can tell (too old, too far behind)."""
 
 
 class IdentityError(NexusKVError, ValueError):

@@ -6,7 +6,10 @@ so each publisher's batches arrive in order on one partition. Each record passes
 partition, it is signed with that publisher's key when the deployment has a bus secret, and it
 decodes — and its batch is applied to the index. A record refused there, or a batch the index
 refuses (a sequence or incarnation jump beyond :mod:`nexuskv.publishers`' bound), goes to
-``nexuskv.dead-letter`` with the reason; dead letters are sent in batches
+``nexuskv.dead-letter`` with the reason; so does a batch the index has seen (a seq already
+applied, or an older incarnation), with reason ``replayed: ...``, counted on
+``nexuskv_records_refused{reason="replayed"}`` — it changes nothing, but a replay of genuine
+signed batches is an attack an operator must see; dead letters are sent in batches
 (:class:`streams.bus.clients.DeadLetterQueue`) and acknowledged before any checkpoint covers their records.
 No Faust table is written: a table row per block would cap the worker at Faust's ~3.6k table
 updates per second.
@@ -87,7 +90,7 @@ from aiokafka.errors import KafkaError
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS, Topic
-from nexuskv.errors import ConfigError, ContractError, NexusKVError
+from nexuskv.errors import ConfigError, ContractError, NexusKVError, ReplayedError
 from nexuskv.index import ApplyOutcome, GlobalIndex
 from streams.bus.clients import (
     DeadLetterQueue,
@@ -249,6 +252,7 @@ class IndexWorker:
         self.records = 0
         self.skipped = 0
         self.dead_letters = 0
+        self.replayed = 0  # batches the index had seen (duplicate seq, older incarnation): dead-lettered, counted
         self.unrecoverable_records = 0
         self._producer: AIOKafkaProducer | None = None
         self._letters: DeadLetterQueue | None = None
@@ -368,6 +372,17 @@ class IndexWorker:
                 reason = status.reason if status is not None and status.reason else "refused sequence number"
                 await self._dead_letter(record, ContractError(f"batch of {batch.publisher} refused: {reason}",
                                                               path="seq"))
+            elif outcome.status in ("duplicate", "stale"):
+                # A batch the index has seen (its seq, or an older incarnation): harmless, and nothing
+                # changed, but an operator must see it: a replay of genuine, signed batches looks like this.
+                self.replayed += 1
+                METRICS.records_refused.labels(SERVICE, self.topic.name, "replayed").inc()
+                status = self.index.publisher_status(batch.publisher)
+                had = f"; the index is at incarnation {status.incarnation}, next seq {status.next_seq}" \
+                    if status is not None else ""
+                what = "seq already applied" if outcome.status == "duplicate" else "incarnation older than the index's"
+                await self._dead_letter(record, ReplayedError(
+                    f"replayed: batch {batch.incarnation}/{batch.seq} of publisher {batch.publisher[:80]!r}: {what}{had}"))
             else:
                 METRICS.events_applied.labels(SERVICE, "batches").inc()
                 METRICS.events_applied.labels(SERVICE, "block_ops").inc(outcome.block_ops)

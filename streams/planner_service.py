@@ -9,6 +9,12 @@ root) and ``nexuskv.transfers`` (keyed by destination worker). Input that cannot
 payload that does not decode, a descriptor the planner does not know, token ids that cannot be
 keyed — goes to ``nexuskv.dead-letter`` with the reason.
 
+Signed control records: under a bus secret the hints and commands it sends are signed as
+``planner/<service>`` (:class:`~streams.bus.clients.ControlSigner`), and a transfer result is acted
+on only when an executor signed it and it was not taken before; any other (unsigned, forged,
+from a planner or an engine, replayed) is dead-lettered with the reason and changes nothing
+(:func:`~streams.bus.clients.check_control`, counted on ``nexuskv_records_refused``).
+
 Prices: a replica of ``nexuskv.tier-state`` (:class:`streams.tier_prices.TierPriceReplica`) gives
 each worker's displacement price, which the planner charges a prefetch into that worker's GPU tier
 as ``C_pollution`` (the policy's flat default where a worker publishes none).
@@ -76,7 +82,12 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus import tuning
 from streams.bus.clients import (
+    CONTROL_TOPICS,
+    ControlSigner,
+    ControlVerifier,
     DeadLetterQueue,
+    check_control,
+    control_verifier,
     dead_letter_for,
     is_transient,
     make_consumer,
@@ -126,9 +137,15 @@ class PlannerService:
                  policy: ExecutionPolicy | None = None, policy_file: Path | None = None,
                  descriptors: DescriptorRegistry | None = None,
                  clock: Callable[[], float] = time.time, service: str = SERVICE, group_id: str | None = None,
-                 policy_reload_s: float = 1.0, tick_s: float = 0.02, commit_s: float = 0.1) -> None:
+                 policy_reload_s: float = 1.0, tick_s: float = 0.02, commit_s: float = 0.1,
+                 control: ControlSigner | None = None, verifier: ControlVerifier | None = None) -> None:
         self.url = url
         self.service = service
+        # Hints and commands are signed as this planner (planner/<service>); results are taken only
+        # from executors, each once (nexuskv.contracts.control_signature). Both from the environment's
+        # bus secret unless given.
+        self.control = control if control is not None else ControlSigner.from_env(f"planner/{service}", clock=clock)
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
         self.group_id = group_id or service
         self.clock = clock
         self.policy_file = PolicyFile(policy_file) if policy_file is not None else None
@@ -218,9 +235,14 @@ class PlannerService:
             return
 
         async def once() -> None:
-            futures = [await producer.send(r.topic.name, codec.encode(r.topic, r.value), key=r.key.encode(),
-                                           headers=list(r.headers) or None)
-                       for r in records]
+            futures = []
+            for r in records:  # signed again on each attempt: a resent record is a new one (see control_signature)
+                key, payload = r.key.encode(), codec.encode(r.topic, r.value)
+                headers = list(r.headers)
+                signed = self.control.header(r.topic, key, payload) if r.topic.name in CONTROL_TOPICS else None
+                if signed is not None:
+                    headers.append(signed)
+                futures.append(await producer.send(r.topic.name, payload, key=key, headers=headers or None))
             await asyncio.gather(*futures)
 
         await retry_transient(once, what=f"{self.service}: publishing {len(records)} records")
@@ -242,7 +264,8 @@ class PlannerService:
                         with span_from_record(self.service, name, rec.headers) as span:
                             if rec.topic == PLAN_REQUESTS.name:
                                 produced = self.core.on_request(rec.value, now=now)
-                            else:
+                            else:  # a result completes a transfer only if an executor signed it, once
+                                check_control(self.verifier, TRANSFER_RESULTS, rec, now=now, service=self.service)
                                 produced = self.core.on_result(rec.value, now=now)
                             _record_decisions(span, produced)
                             headers = tuple(carrier_headers())

@@ -52,7 +52,7 @@ from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import ConfigError, ContractError, IdentityError, NexusKVError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus.clients import make_consumer, make_producer
+from streams.bus.clients import ControlVerifier, check_control, control_verifier, make_consumer, make_producer
 from streams.bus.cost_models import CostModelReplica
 from streams.bus.policy_file import PolicyFile
 from streams.bus.process import stop_on_signals
@@ -70,16 +70,22 @@ class PlacementFollower:
     """Follows ``nexuskv.placement`` from its end (no consumer group) into :class:`RouteHints`.
 
     Hints issued before the router started concern requests it was never asked about, so it
-    does not read the topic's history. A record that does not decode is counted and skipped
-    (the topic's producers dead-letter their own inputs; this is a reader). :meth:`run` until
+    does not read the topic's history. A record that does not decode, and under a bus secret one
+    that no planner signed or that was taken before (:func:`~streams.bus.clients.check_control`), is
+    counted and skipped (``malformed``, ``refused``, and ``nexuskv_records_refused``): the tier
+    managers reading the same topic dead-letter it; this is a reader. :meth:`run` until
     cancelled, then :meth:`stop`.
     """
 
-    def __init__(self, url: BrokerUrl, hints: RouteHints, *, client_id: str = "nexuskv-router-placement") -> None:
+    def __init__(self, url: BrokerUrl, hints: RouteHints, *, client_id: str = "nexuskv-router-placement",
+                 verifier: ControlVerifier | None = None, clock: Callable[[], float] = time.time) -> None:
         self.url = url
         self.hints = hints
         self.client_id = client_id
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
+        self.clock = clock
         self.malformed = 0
+        self.refused = 0
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -106,6 +112,12 @@ class PlacementFollower:
             got = await consumer.getmany(timeout_ms=200, max_records=1000)
             for records in got.values():
                 for record in records:
+                    try:
+                        check_control(self.verifier, PLACEMENT, record, now=self.clock(), service=self.client_id)
+                    except ContractError as exc:
+                        self.refused += 1
+                        log.warning("route hint %d/%d refused: %s", record.partition, record.offset, exc)
+                        continue
                     try:
                         hint = codec.decode(PLACEMENT, record.value)
                     except ContractError:

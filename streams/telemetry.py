@@ -11,7 +11,7 @@ set (e.g. ``http://collector:4318``), off otherwise; tests install an in-memory 
 **Metrics and health.** :data:`streams.bus.metrics.METRICS` (events applied and rejected,
 consumer lag, decisions by action and reason, transfer outcomes, index size) and
 :data:`streams.bus.health.HEALTH` are served by :func:`serve_metrics` on ``NEXUSKV_METRICS_PORT``
-(0: off): ``GET /metrics``, and ``GET /livez`` and ``/readyz`` (200 with ``{"ok": true, ...}``, or
+(0: off), bound to ``NEXUSKV_METRICS_HOST`` (loopback unless configured otherwise): ``GET /metrics``, and ``GET /livez`` and ``/readyz`` (200 with ``{"ok": true, ...}``, or
 503 with the reason).
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from socketserver import ThreadingMixIn
@@ -216,7 +217,7 @@ def init_service(service: str, settings: Any) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries(settings.log_level)
     setup_tracing(service, settings.otlp_endpoint)
-    serve_metrics(settings.metrics_port)
+    serve_metrics(settings.metrics_port, host=settings.metrics_host)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -245,11 +246,17 @@ def health_wsgi_app(registry: CollectorRegistry = REGISTRY, health: Health = HEA
     return app
 
 
-def serve_metrics(port: int, *, host: str = "0.0.0.0") -> bool:
-    """Expose :data:`REGISTRY` and :data:`HEALTH` on ``port`` (0: off). Returns whether a server was started."""
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+def serve_metrics(port: int, *, host: str = "127.0.0.1") -> bool:
+    """Expose :data:`REGISTRY` and :data:`HEALTH` on ``host``:``port`` (0: off; loopback unless
+    ``NEXUSKV_METRICS_HOST`` says otherwise). Returns whether a server was started."""
     if port <= 0:
         return False
-    server = make_server(host, port, health_wsgi_app(), _ThreadingServer, handler_class=_QuietHandler)
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+    server = make_server(host, port, health_wsgi_app(), server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="nexuskv-metrics", daemon=True).start()
-    log.info("metrics on :%d/metrics, health on /livez and /readyz", port)
+    log.info("metrics on %s:%d/metrics, health on /livez and /readyz", host, port)
     return True

@@ -62,7 +62,17 @@ from nexuskv.dataplane.tiers import GainFn, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from nexuskv.policy import ExecutionPolicy
-from streams.bus.clients import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.bus.clients import (
+    ControlVerifier,
+    check_control,
+    control_verifier,
+    dead_letter_for,
+    decode_record,
+    make_consumer,
+    make_producer,
+    send,
+    send_dead_letter,
+)
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
 from streams.bus.topic_keys import route
@@ -111,41 +121,77 @@ def _keys(hint: PlacementHint) -> list[PayloadKey]:
     return [PayloadKey(hint.descriptor_id, k, hint.group) for k in hint.keys]
 
 
+def _refused(hint: PlacementHint, reason: str, detail: str, blocks: int = 1) -> None:
+    """Count (``nexuskv_hints_refused``) and log a hint, or some of its blocks, left undone."""
+    METRICS.hints_refused.labels(hint.kind.value, reason).inc(blocks)
+    log.warning("hint %s (%s, tenant %s): %s", hint.hint_id[:80], hint.kind.value, hint.tenant_namespace[:80], detail)
+
+
+def _reason_code(why: str) -> str:
+    """The metric label of a TierManager refusal (its reasons start with a known word where they can)."""
+    head = why.split(":", 1)[0].strip()
+    return {"prefetch share": "size", "tenant": "tenant", "nothing to reserve": "expiry"}.get(head, "other")
+
+
 def handle_hint(hint: PlacementHint, manager: TierManager, executor: TransferExecutor | None, *,
                 worker: str) -> str | None:
-    """Act on one hint addressed to ``worker``; returns what was done (None: not this worker's, or a route)."""
+    """Act on one hint addressed to ``worker``; returns what was done (None: not this worker's, or a route).
+
+    A hint acts only within the tenant scope it names (:mod:`nexuskv.dataplane.tiers`: pins,
+    unpins, demotions, evictions and releases touch that tenant's blocks and room only), an evict or
+    demote never touches pinned, busy or anchored state, and a prefetch's room is bounded in size
+    and time by the manager; whatever a hint could not do is counted on ``nexuskv_hints_refused``
+    (by kind and reason) and logged with the reason."""
     if hint.worker != worker or hint.kind is HintKind.ROUTE:
         return None
     kind = hint.kind
+    tenant = hint.tenant_namespace
     if kind is HintKind.CANCEL:
-        released = manager.release(hint.transfer_id) if hint.transfer_id else False
-        stopped = executor.cancel(hint.transfer_id, f"cancelled: {hint.reason}") if executor and hint.transfer_id \
-            else False
+        released = manager.release(hint.transfer_id, tenant=tenant) if hint.transfer_id else False
+        stopped = executor.cancel(hint.transfer_id, f"cancelled: {hint.reason}", tenant=tenant) \
+            if executor and hint.transfer_id else False
         return f"cancel {hint.transfer_id}: {'stopping the copy' if stopped else 'not running here'}" + (
             ", its room released" if released else "")
     if kind is HintKind.PIN:
         until = hint.expires_at if hint.expires_at is not None else hint.issued_at
         owner = hint.transfer_id or hint.hint_id
-        out = manager.pin(owner, _keys(hint), until=until, tenant=hint.tenant_namespace, tier=hint.tier)
+        out = manager.pin(owner, _keys(hint), until=until, tenant=tenant, tier=hint.tier)
+        if not out.ok or "tenant:" in out.reason:
+            _refused(hint, "tenant" if "tenant:" in out.reason else "quota", f"pin {owner}: {out.reason}")
         return f"pin {owner}: {out.reason}"
     if kind is HintKind.UNPIN:
         owner = hint.transfer_id or hint.hint_id.removesuffix("/unpin")
-        return f"unpin {owner}: {manager.unpin(owner)} blocks"
+        return f"unpin {owner}: {manager.unpin(owner, tenant=tenant)} blocks"
     if kind is HintKind.PREFETCH:
         if hint.transfer_id is None or hint.tier is None or hint.bytes <= 0 or hint.expires_at is None:
+            _refused(hint, "other", "prefetch hint without transfer, tier, bytes or expiry")
             return "prefetch hint without transfer, tier, bytes or expiry: nothing to reserve"
-        why = manager.reserve(hint.transfer_id, hint.tier, hint.bytes, tenant=hint.tenant_namespace,
-                              expires_at=hint.expires_at)
+        shortened = manager.counters["reservations_shortened"]
+        why = manager.reserve(hint.transfer_id, hint.tier, hint.bytes, tenant=tenant, expires_at=hint.expires_at)
+        if manager.counters["reservations_shortened"] > shortened:
+            _refused(hint, "expiry", f"prefetch {hint.transfer_id}: expiry {hint.expires_at:.3f} cut to "
+                                     f"{manager.prefetch_max_s:.0f} s from now")
+        if why is not None:
+            _refused(hint, _reason_code(why), f"prefetch {hint.transfer_id}: no room held ({why})")
         return f"prefetch {hint.transfer_id}: " + ("room held" if why is None else f"no room held ({why})")
     keys = _keys(hint) or (manager.landed_keys(hint.transfer_id) if hint.transfer_id else [])
     if hint.tier is None:
+        _refused(hint, "no_tier", f"{kind.value} hint without a tier")
         return f"{kind.value} hint without a tier"
     if kind is HintKind.DEMOTE:
         to = hint.to_tier or Tier.HOST
-        return f"demote {len(keys)} blocks {hint.tier.value} -> {to.value}: {manager.demote(keys, hint.tier, to)} moved"
-    if kind is HintKind.EVICT:
-        return f"evict {len(keys)} blocks from {hint.tier.value}: {manager.evict(keys, hint.tier)} dropped"
-    return None
+        effect = manager.demote(keys, hint.tier, to, tenant=tenant)
+        done = f"demote {len(keys)} blocks {hint.tier.value} -> {to.value}: {effect.describe()} moved"
+    elif kind is HintKind.EVICT:
+        effect = manager.evict(keys, hint.tier, tenant=tenant)
+        done = f"evict {len(keys)} blocks from {hint.tier.value}: {effect.describe()} dropped"
+    else:
+        return None
+    for reason, n in effect.refused.items():
+        METRICS.hints_refused.labels(kind.value, reason).inc(n)
+    if effect.refused:
+        log.warning("hint %s (%s, tenant %s): %s", hint.hint_id[:80], kind.value, tenant[:80], done)
+    return done
 
 
 def state_records(manager: TierManager, *, now: float) -> list[TierStateRecord]:
@@ -184,8 +230,11 @@ class TierBus:
     def __init__(self, url: BrokerUrl, manager: TierManager, *, worker: str,
                  executor: TransferExecutor | None = None, state_interval_s: float = 1.0,
                  group_id: str | None = None, clock: Callable[[], float] = time.time,
-                 heartbeat: bool = True) -> None:
+                 heartbeat: bool = True, verifier: ControlVerifier | None = None) -> None:
         self.url = url
+        # A hint is acted on only when a planner signed it and it was not taken before (under a bus
+        # secret; nexuskv.contracts.control_signature). From the environment unless given.
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
         self.manager = manager
         self.worker = worker
         self.executor = executor
@@ -256,11 +305,13 @@ class TierBus:
 
     async def _hint(self, producer: AIOKafkaProducer, record) -> None:
         try:
+            check_control(self.verifier, PLACEMENT, record, now=self.clock(), service=SERVICE)
             hint = decode_record(PLACEMENT, record)
         except ContractError as exc:
             self.rejected += 1
             letter = dead_letter_for(PLACEMENT.name, record, exc, service=SERVICE, now=self.clock())
             await send_dead_letter(producer, letter)
+            log.warning("placement record %d/%d refused: %s", record.partition, record.offset, letter.reason)
             return
         if not isinstance(hint, PlacementHint) or hint.worker != self.worker or hint.kind is HintKind.ROUTE:
             return
@@ -326,7 +377,8 @@ def build(settings: Settings, *, publish: Callable[[KeyedBatch], None],
     facts = TierFacts(settings.worker, publish, include_tokens=settings.kv_event_tokens)
     manager = TierManager(catalog, facts=facts, policy=policy, reuse=ReuseModel(settings.tier_reuse_half_life_s),
                           gains=gains, pin_fraction=settings.tier_pin_fraction, lease_s=settings.tier_lease_s,
-                          tenant_pin_quota=lambda tenant: execution.quota_for(tenant).max_pinned_bytes)
+                          tenant_pin_quota=lambda tenant: execution.quota_for(tenant).max_pinned_bytes,
+                          prefetch_fraction=settings.tier_prefetch_fraction, prefetch_max_s=settings.tier_prefetch_max_s)
     executor = TransferExecutor(catalog, lanes=settings.transfer_lanes, jobs=settings.transfer_jobs, tiers=manager)
     return manager, executor
 

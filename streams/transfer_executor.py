@@ -5,7 +5,9 @@ destination is this worker (``NEXUSKV_WORKER``) on a
 :class:`~nexuskv.dataplane.executor.TransferExecutor` over this worker's tiers, and publishes
 each outcome on ``nexuskv.transfer-results`` (keyed by request id) and its timing on
 ``nexuskv.observations``. A command that cannot be decoded goes to ``nexuskv.dead-letter`` with
-the reason. Commands for other workers are skipped: each executor reads the topic in its own
+the reason; so does, under a bus secret, one that a planner did not sign or that was taken
+before (:func:`~streams.bus.clients.check_control`): it runs nothing. Results are signed as
+``executor/<worker>``. Commands for other workers are skipped: each executor reads the topic in its own
 consumer group (``nexuskv-transfer-executor-<worker>``), so every executor sees every command
 and none is lost to a partition assigned elsewhere.
 
@@ -50,7 +52,11 @@ from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.remote import RemoteBackend
 from nexuskv.errors import ConfigError, ContractError, NexusKVError
 from streams.bus.clients import (
+    ControlSigner,
+    ControlVerifier,
     DeadLetterQueue,
+    check_control,
+    control_verifier,
     dead_letter_for,
     decode_record,
     make_consumer,
@@ -93,8 +99,13 @@ class TransferService:
     """Bus glue around one worker's executor; :meth:`run` until ``stop`` is set."""
 
     def __init__(self, url: BrokerUrl, executor: TransferExecutor, *, worker: str, group_id: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, control: ControlSigner | None = None,
+                 verifier: ControlVerifier | None = None) -> None:
         self.url = url
+        # Results are signed as executor/<worker>; a command is run only when a planner signed it and
+        # it was not taken before (nexuskv.contracts.control_signature). From the environment unless given.
+        self.control = control if control is not None else ControlSigner.from_env(f"executor/{worker}", clock=clock)
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
         self.executor = executor
         self.worker = worker
         self.group_id = group_id or f"nexuskv-{SERVICE}-{worker}"
@@ -165,6 +176,7 @@ class TransferService:
         queued: the loop flushes the queue before it commits)."""
         producer = self._letters.producer if self._letters is not None else None
         try:
+            check_control(self.verifier, TRANSFERS, record, now=self.clock(), service=SERVICE)
             command = decode_record(TRANSFERS, record)
         except ContractError as exc:
             letter = dead_letter_for(TRANSFERS.name, record, exc, service=SERVICE, now=self.clock())
@@ -187,7 +199,7 @@ class TransferService:
                                  "nexuskv.duration_s": result.duration_s})
             METRICS.transfers.labels(result.status.value,
                                      f"{result.source.tier.value}->{result.destination.tier.value}").inc()
-            await retry_transient(lambda: send(producer, *route(result), result),
+            await retry_transient(lambda: send(producer, *route(result), result, control=self.control),
                                   what=f"publishing transfer result {result.transfer_id}")
             if outcome.observation is not None:
                 obs = outcome.observation

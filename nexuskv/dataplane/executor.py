@@ -134,7 +134,8 @@ class TransferExecutor:
         self.lanes = lanes
         self.policy = policy
         self.tiers = tiers
-        self._cancelled: OrderedDict[str, str] = OrderedDict()  # cancels that came before their command
+        # cancels that came before their command: transfer id -> (reason, tenant the cancel named or None)
+        self._cancelled: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._lane_pool = ThreadPoolExecutor(max_workers=lanes - 1, thread_name_prefix="nkv-lane") if lanes > 1 else None
         self._queue: list[tuple[float, int, _Job]] = []
         self._order = itertools.count()
@@ -155,8 +156,12 @@ class TransferExecutor:
             if self._closed:
                 raise RuntimeError("the transfer executor is closed")
             early = self._cancelled.pop(command.transfer_id, None)
+            if early is not None and early[1] not in (None, command.tenant_namespace):
+                log.warning("transfer %s: an earlier cancel named tenant %s, not its %s: ignored",
+                            command.transfer_id, early[1], command.tenant_namespace)
+                early = None
             if early is not None:
-                job.reason = early
+                job.reason = early[0]
                 job.cancelled.set()
             self._jobs[command.transfer_id] = job
             heapq.heappush(self._queue, (command.deadline_at, next(self._order), job))
@@ -175,17 +180,20 @@ class TransferExecutor:
         if why is not None:
             log.info("transfer %s: no room held while it waits (%s)", command.transfer_id, why)
 
-    def cancel(self, transfer_id: str, reason: str = "cancelled by request") -> bool:
-        """Cancel a queued or running transfer; False when none with that id is pending (then a
-        command with that id that arrives later is cancelled on arrival)."""
+    def cancel(self, transfer_id: str, reason: str = "cancelled by request", *, tenant: str | None = None) -> bool:
+        """Cancel a queued or running transfer — with ``tenant``, only one of that tenant; False when
+        none with that id is pending (then a command with that id that arrives later is cancelled on
+        arrival, if it is that tenant's)."""
         with self._cv:
             job = self._jobs.get(transfer_id)
+            if job is not None and tenant is not None and job.command.tenant_namespace != tenant:
+                return False  # another tenant's copy: a cancel acts in the scope it names
             if job is None:
-                self._cancelled[transfer_id] = reason
+                self._cancelled[transfer_id] = (reason, tenant)
                 while len(self._cancelled) > 4096:
                     self._cancelled.popitem(last=False)
         if self.tiers is not None:
-            self.tiers.release(transfer_id)  # room held for it while queued (not what a running copy uses)
+            self.tiers.release(transfer_id, tenant=tenant)  # room held for it while queued (not a running copy's)
         if job is None:
             return False
         job.reason = reason

@@ -19,7 +19,14 @@ decides with :mod:`nexuskv.admission`:
   a prefix parent other held blocks chain from (it may be demoted, not dropped). Evictions free a
   little more than needed (``slack``), so a run of saves does not rescore the tier each time.
 * **Reservations.** A prefetch's room is set aside when its hint arrives (or its command, if that
-  comes first) and held until the copy lands in it or the hint's ``expires_at`` passes.
+  comes first) and held until the copy lands in it or the hint's ``expires_at`` passes — at most
+  ``prefetch_max_s`` from now whatever the hint says, and only while the room held for
+  prefetches in that tier stays within ``prefetch_fraction`` of its capacity (a hint beyond it
+  is refused with the numbers), so no hint can hold a tier for itself or for long.
+* **Hints stay in their tenant's scope.** A pin, unpin, demote or evict acts only on blocks of
+  the tenant the hint names, and a release (a cancel) only on that tenant's room; an evict or
+  demote never touches a pinned block, one being read or copied, or a prefix parent others
+  chain from. What a hint could not do is reported per reason (:class:`HintEffect`).
 * **Pins.** Within a quota per tier (``pin_fraction`` of its capacity) and per tenant; a pin
   over quota is refused with the numbers, and pinned bytes are reported apart from bytes in
   flight.
@@ -92,7 +99,7 @@ from nexuskv.dataplane.tier_facts import BlockIdentity, FactSink, TierChange, Ti
 from nexuskv.descriptor import Tier
 from nexuskv.errors import DataPlaneError, TierUnavailableError
 
-__all__ = ["SaveBlock", "SaveOutcome", "TierUsage", "PinOutcome", "GainFn", "TierManager"]
+__all__ = ["SaveBlock", "SaveOutcome", "TierUsage", "PinOutcome", "HintEffect", "GainFn", "TierManager"]
 
 log = logging.getLogger("nexuskv.tiers")
 
@@ -133,6 +140,20 @@ class PinOutcome:
     ok: bool
     pinned_blocks: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HintEffect:
+    """What an evict or demote hint did: blocks acted on, and blocks left alone by reason
+    (``tenant``: another tenant's; ``pinned``; ``busy``: being read or copied; ``anchored``: a prefix
+    parent held blocks chain from)."""
+
+    acted: int
+    refused: Mapping[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        left = ", ".join(f"{n} {why}" for why, n in sorted(self.refused.items()))
+        return f"{self.acted}" + (f" (left alone: {left})" if left else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +224,16 @@ class TierManager:
                  reuse: ReuseModel | None = None, gains: GainFn | None = None,
                  clock: Callable[[], float] = time.time, pin_fraction: float = 0.5,
                  tenant_pin_quota: Callable[[str], int | None] | None = None, lease_s: float = 5.0,
-                 slack: float = 1 / 32, drop_log: int = 4096) -> None:
+                 slack: float = 1 / 32, drop_log: int = 4096, prefetch_fraction: float = 0.25,
+                 prefetch_max_s: float = 60.0) -> None:
         if not 0.0 <= pin_fraction <= 1.0:
             raise ValueError(f"pin_fraction: {pin_fraction} is not in [0, 1]")
+        if not 0.0 < prefetch_fraction <= 1.0:
+            raise ValueError(f"prefetch_fraction: {prefetch_fraction} is not in (0, 1]")
+        if prefetch_max_s <= 0:
+            raise ValueError(f"prefetch_max_s: {prefetch_max_s} is not positive")
+        self.prefetch_fraction = prefetch_fraction
+        self.prefetch_max_s = prefetch_max_s
         self.catalog = catalog
         self.worker = catalog.worker
         self.facts = facts if facts is not None else TierFacts(publisher or catalog.worker, None, clock=clock)
@@ -227,7 +255,7 @@ class TierManager:
         self.counters: dict[str, int] = dict.fromkeys(
             ("saved", "save_refused", "save_failed", "copies_admitted", "copies_refused", "landed", "demoted",
              "dropped", "blocks_dropped", "garbage", "pins", "pins_refused", "reservations", "reservations_refused",
-             "reservations_expired"), 0)
+             "reservations_expired", "reservations_shortened", "hint_blocks_refused"), 0)
         managed = [b for b in catalog.backends if not b.capabilities.shared]
         self._managed = sorted(managed, key=lambda b: TIER_ORDER.index(b.capabilities.tier))
         self._ids = {id(b) for b in self._managed}
@@ -800,6 +828,9 @@ class TierManager:
         now = self.clock()
         if expires_at <= now or nbytes <= 0:
             return "nothing to reserve: expired or empty"
+        shortened = expires_at > now + self.prefetch_max_s
+        if shortened:
+            expires_at = now + self.prefetch_max_s  # whatever the sender asked, room is held this long at most
         events: list[TierChange] = []
         with self._lock:
             if transfer_id in self._held:
@@ -807,6 +838,13 @@ class TierManager:
             backend = self._backend_of(tier)
             if backend is None:
                 return f"worker {self.worker} has no managed {tier.value} tier"
+            share = int(backend.capacity_bytes * self.prefetch_fraction)
+            held = sum(h.reservation.remaining for h in self._held.values() if h.backend is backend and not h.landing)
+            if held + nbytes > share:
+                self.counters["reservations_refused"] += 1
+                return (f"prefetch share: {nbytes} bytes more would hold {held + nbytes} of {backend.label}'s "
+                        f"{backend.capacity_bytes} bytes for prefetches, beyond its {self.prefetch_fraction:.0%} "
+                        f"({share} bytes)")
             why = self._make_room(backend, None, nbytes, now, events)
             reservation = backend.reserve(nbytes) if why is None else None
             if reservation is None:
@@ -815,17 +853,19 @@ class TierManager:
             else:
                 self._held[transfer_id] = _Held(backend, reservation, expires_at, tenant)
                 self.counters["reservations"] += 1
+                self.counters["reservations_shortened"] += shortened
                 result = None
         self._queue(events)
         self.flush()
         return result
 
-    def release(self, transfer_id: str) -> bool:
+    def release(self, transfer_id: str, *, tenant: str | None = None) -> bool:
         """Give back the room set aside for ``transfer_id`` (a cancelled or finished prefetch); False
-        when none. Room a running copy commits into is left to it (it gives it back when it stops)."""
+        when none (or, with ``tenant``, when it is another tenant's). Room a running copy commits into
+        is left to it (it gives it back when it stops)."""
         with self._lock:
             h = self._held.get(transfer_id)
-            if h is None or h.landing:
+            if h is None or h.landing or (tenant is not None and h.tenant != tenant):
                 return False
             del self._held[transfer_id]
         h.reservation.release()
@@ -837,8 +877,14 @@ class TierManager:
         the tier's pinned quota and the tenant's."""
         now = self.clock()
         with self._lock:
-            targets = [self._blocks[k] for k in keys if k in self._blocks
-                       and (tier is None or any(c.backend.capabilities.tier is tier for c in self._blocks[k].copies.values()))]
+            held = [self._blocks[k] for k in keys if k in self._blocks
+                    and (tier is None or any(c.backend.capabilities.tier is tier for c in self._blocks[k].copies.values()))]
+            targets = [blk for blk in held if blk.tenant == tenant]  # a pin acts in its own tenant's scope
+            if len(targets) < len(held):
+                self.counters["hint_blocks_refused"] += len(held) - len(targets)
+                if not targets:
+                    return PinOutcome(False, 0, f"tenant: {len(held)} blocks held here are another tenant's "
+                                                f"than {tenant}'s; none pinned")
             if not targets or until <= now:
                 return PinOutcome(True, 0, "nothing held here to pin")
             add: dict[int, int] = {}
@@ -869,60 +915,88 @@ class TierManager:
                 blk.pins[owner] = max(until, blk.pins.get(owner, until))
                 self._use(blk, now)
             self.counters["pins"] += 1
-            return PinOutcome(True, len(targets), f"{len(targets)} blocks pinned until {until:.3f}")
+            other = len(held) - len(targets)
+            return PinOutcome(True, len(targets), f"{len(targets)} blocks pinned until {until:.3f}"
+                              + (f"; tenant: {other} of another tenant not pinned" if other else ""))
 
-    def unpin(self, owner: str) -> int:
-        """End the pins ``owner`` (a hint or transfer id) holds; returns how many blocks it pinned."""
+    def unpin(self, owner: str, *, tenant: str | None = None) -> int:
+        """End the pins ``owner`` (a hint or transfer id) holds — with ``tenant``, on that tenant's blocks
+        only; returns how many blocks it pinned."""
         n = 0
         with self._lock:
             for blk in self._blocks.values():
-                if blk.pins.pop(owner, None) is not None:
+                if owner in blk.pins and (tenant is None or blk.tenant == tenant):
+                    del blk.pins[owner]
                     n += 1
         return n
 
-    def demote(self, keys: Sequence[PayloadKey], tier: Tier, to_tier: Tier) -> int:
-        """Move held ``keys`` from ``tier`` down to ``to_tier`` (dropped where that is impossible)."""
+    def _hint_target(self, blk: _Block, tenant: str | None, now: float, refused: dict[str, int]) -> bool:
+        """Whether a demote or evict hint may act on ``blk`` at all; counts why not."""
+        why = None
+        if tenant is not None and blk.tenant != tenant:
+            why = "tenant"
+        elif (blk.pinned_until() or 0.0) > now:
+            why = "pinned"
+        if why is not None:
+            refused[why] = refused.get(why, 0) + 1
+        return why is None
+
+    def _copy_target(self, blk: _Block, c: _Copy, refused: dict[str, int]) -> bool:
+        why = "busy" if c.readers or c.leaving else "anchored" if blk.children and len(blk.copies) == 1 else None
+        if why is not None:
+            refused[why] = refused.get(why, 0) + 1
+        return why is None
+
+    def _effect(self, acted: int, refused: dict[str, int]) -> HintEffect:
+        self.counters["hint_blocks_refused"] += sum(refused.values())
+        return HintEffect(acted, dict(refused))
+
+    def demote(self, keys: Sequence[PayloadKey], tier: Tier, to_tier: Tier, *, tenant: str | None = None) -> HintEffect:
+        """Move held ``keys`` (of ``tenant``, when given) from ``tier`` down to ``to_tier`` (dropped where
+        that is impossible); never a pinned, busy or anchored copy."""
         events: list[TierChange] = []
         n = 0
+        refused: dict[str, int] = {}
         now = self.clock()
         with self._lock:
             dst = self._backend_of(to_tier)
             for k in self._leaves_first(keys):
                 blk = self._blocks.get(k)
-                if blk is None:
-                    continue
-                if (blk.pinned_until() or 0.0) > now:
+                if blk is None or not self._hint_target(blk, tenant, now, refused):
                     continue
                 for c in list(blk.copies.values()):
                     if c.backend.capabilities.tier is not tier or c.readers or c.leaving:
+                        if c.backend.capabilities.tier is tier:
+                            refused["busy"] = refused.get("busy", 0) + 1
                         continue
                     if dst is None or not self._demote_copy(blk, c.backend, dst, events, now):
                         if blk.children and len(blk.copies) == 1:
+                            refused["anchored"] = refused.get("anchored", 0) + 1
                             continue  # a prefix parent does not vanish
                         self._drop_copy(blk, c.backend, events, why="demote hint: no room below")
                     n += 1
         self._queue(events)
         self.flush()
-        return n
+        return self._effect(n, refused)
 
-    def evict(self, keys: Sequence[PayloadKey], tier: Tier) -> int:
-        """Drop held ``keys`` from ``tier`` (not pinned, read or anchored ones)."""
+    def evict(self, keys: Sequence[PayloadKey], tier: Tier, *, tenant: str | None = None) -> HintEffect:
+        """Drop held ``keys`` (of ``tenant``, when given) from ``tier``; never a pinned, busy or anchored copy."""
         events: list[TierChange] = []
         n = 0
+        refused: dict[str, int] = {}
         now = self.clock()
         with self._lock:
             for k in self._leaves_first(keys):
                 blk = self._blocks.get(k)
-                if blk is None or (blk.pinned_until() or 0) > now:
+                if blk is None or not self._hint_target(blk, tenant, now, refused):
                     continue
                 for c in list(blk.copies.values()):
-                    if c.backend.capabilities.tier is tier and not c.readers and not (blk.children and
-                                                                                      len(blk.copies) == 1):
+                    if c.backend.capabilities.tier is tier and self._copy_target(blk, c, refused):
                         self._drop_copy(blk, c.backend, events, why="evict hint")
                         n += 1
         self._queue(events)
         self.flush()
-        return n
+        return self._effect(n, refused)
 
     def adopt(self, entries: Sequence[tuple[PayloadKey, BlockIdentity, int]], *, tenant: str) -> int:
         """Payloads the tiers held at start whose identities the caller's publisher re-announced

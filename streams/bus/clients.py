@@ -12,6 +12,14 @@ process has one: from ``NEXUSKV_PUBLISHER_KEYS``, else derived from ``NEXUSKV_BU
 the reference engine's bus publisher, the ZMQ bridge, the synchronous plugins' background bus —
 sends through here, so none of them signs on its own.
 
+**Signed control records.** The control topics (placement hints, transfer commands, transfer
+results) are signed too, by producer (:mod:`nexuskv.contracts.control_signature`): a service
+that sends them holds a :class:`ControlSigner` for its producer name (``planner/<service>``,
+``executor/<worker>``) and passes it as ``control=``; a consumer holds a :class:`ControlVerifier`
+and calls :func:`check_control` on each record before it decodes it, which raises (an
+:class:`~nexuskv.errors.UnauthenticatedError`, a :class:`~nexuskv.errors.ReplayedError` for a
+replay) with the dead-letter reason, and counts the refusal on ``nexuskv_records_refused``.
+
 Client settings that decide start-up and rebalance latency live in :mod:`streams.bus.tuning`.
 """
 
@@ -19,7 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -30,18 +41,21 @@ from aiokafka.structs import ConsumerRecord, RecordMetadata
 
 from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contract import Contract
-from nexuskv.contracts import codec, kv_signature
+from nexuskv.contracts import codec, control_signature, kv_signature
+from nexuskv.contracts.control_signature import ControlVerifier, Envelope, Refusal
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
-from nexuskv.contracts.topics import DEAD_LETTER, Topic
-from nexuskv.errors import NexusKVError
+from nexuskv.contracts.topics import DEAD_LETTER, PLACEMENT, TRANSFER_RESULTS, TRANSFERS, Topic
+from nexuskv.errors import NexusKVError, ReplayedError, UnauthenticatedError
 from streams.bus import tuning
+from streams.bus.metrics import METRICS
 from streams.bus.tracing import carrier_headers
 
 __all__ = ["make_producer", "make_consumer", "send", "decode_record", "dead_letter_for", "send_dead_letter",
            "BatchSigner", "default_signer", "FROM_ENV", "send_nowait", "record_headers", "DeadLetterQueue",
-           "is_transient", "retry_transient"]
+           "is_transient", "retry_transient", "ControlSigner", "ControlVerifier", "control_verifier",
+           "check_control", "CONTROL_TOPICS"]
 
 Headers = Sequence[tuple[str, bytes]]
 log = logging.getLogger(__name__)
@@ -96,6 +110,68 @@ def default_signer() -> BatchSigner:
     return BatchSigner.from_settings(Settings.from_env())
 
 
+#: The topics whose records are signed by producer (:mod:`nexuskv.contracts.control_signature`).
+CONTROL_TOPICS: Final = frozenset({PLACEMENT.name, TRANSFERS.name, TRANSFER_RESULTS.name})
+_REPLAY_CODES = frozenset({"replayed", "stale", "outside_window", "window_full"})
+
+
+class ControlSigner:
+    """Signs this process's control records as ``producer``: its key (from ``NEXUSKV_PUBLISHER_KEYS``,
+    else derived from the bus secret), a random incarnation per signer, and a sequence from 0.
+
+    Falsy without a key: records then go out unsigned (a deployment without a bus secret)."""
+
+    def __init__(self, producer: str, *, key: bytes | None, clock: Callable[[], float] = time.time,
+                 incarnation: int | None = None) -> None:
+        self.producer = producer
+        self._key = key
+        self.clock = clock
+        self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "big")
+        self._seq = itertools.count()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, producer: str, **kw: Any) -> ControlSigner:
+        key = settings.publisher_key_map.get(producer)
+        if key is None and settings.bus_secret_bytes:
+            key = control_signature.producer_key(settings.bus_secret_bytes, producer)
+        return cls(producer, key=key, **kw)
+
+    @classmethod
+    def from_env(cls, producer: str, **kw: Any) -> ControlSigner:
+        return cls.from_settings(Settings.from_env(), producer, **kw)
+
+    def __bool__(self) -> bool:
+        return self._key is not None
+
+    def header(self, topic: Topic, record_key: bytes, value: bytes) -> tuple[str, bytes] | None:
+        if self._key is None:
+            return None
+        env = Envelope(self.producer, self.incarnation, next(self._seq), self.clock())
+        return control_signature.SIGNATURE_HEADER, control_signature.sign(self._key, topic.name, env, record_key,
+                                                                          value)
+
+
+def control_verifier(settings: Settings) -> ControlVerifier:
+    """A consumer's verifier of control records under the deployment's bus secret (none: all taken)."""
+    return ControlVerifier(settings.bus_secret_bytes, window=control_signature.ReplayWindow(
+        max_age_s=settings.control_max_age_s))
+
+
+def check_control(verifier: ControlVerifier, topic: Topic, record: ConsumerRecord, *, now: float,
+                  service: str) -> Envelope | None:
+    """The record's signed envelope (None where the deployment signs nothing); raises
+    UnauthenticatedError, or ReplayedError for a replay, whose message is the dead-letter reason,
+    after counting the refusal on ``nexuskv_records_refused``."""
+    key = bytes(record.key) if record.key is not None else b""
+    value = bytes(record.value) if record.value is not None else b""
+    got = verifier.check(topic.name, key, value, record.headers, now=now)
+    if isinstance(got, Refusal):
+        METRICS.records_refused.labels(service, topic.name, got.code).inc()
+        error = ReplayedError if got.code in _REPLAY_CODES else UnauthenticatedError
+        raise error(f"{got.code}: {got.reason}")
+    return got
+
+
 _unsigned_warned: set[str] = set()
 _BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 T = TypeVar("T")
@@ -148,9 +224,16 @@ def make_consumer(url: BrokerUrl, *topics: Topic, client_id: str, group_id: str 
 
 
 def record_headers(key: bytes, payload: bytes, value: Contract, headers: Headers | None,
-                   signer: BatchSigner | _FromEnv | None = FROM_ENV) -> list[tuple[str, bytes]]:
-    """The headers of a record: the trace context, and a kv-events batch's signature."""
-    out = [(k, v) for k, v in carrier_headers(headers) if k != kv_signature.SIGNATURE_HEADER]
+                   signer: BatchSigner | _FromEnv | None = FROM_ENV, *, topic: Topic | None = None,
+                   control: ControlSigner | None = None) -> list[tuple[str, bytes]]:
+    """The headers of a record: the trace context, a kv-events batch's signature, and a control
+    record's (``topic`` one of :data:`CONTROL_TOPICS`, signed by ``control``)."""
+    out = [(k, v) for k, v in carrier_headers(headers)
+           if k not in (kv_signature.SIGNATURE_HEADER, control_signature.SIGNATURE_HEADER)]
+    if control and topic is not None and topic.name in CONTROL_TOPICS:
+        signed = control.header(topic, key, payload)
+        if signed is not None:
+            out.append(signed)
     if isinstance(value, (KvEventBatch, KeyedBatch)) and signer is not None:
         chosen = default_signer() if isinstance(signer, _FromEnv) else signer
         header = chosen.header(value.publisher, key, payload) if chosen else None
@@ -164,21 +247,22 @@ def record_headers(key: bytes, payload: bytes, value: Contract, headers: Headers
 
 async def send(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
                headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
-               ) -> RecordMetadata:
+               control: ControlSigner | None = None) -> RecordMetadata:
     """Encode and send, carrying the current trace context (and, for a kv-events batch, its
-    publisher's signature); returns once the broker acknowledged."""
-    return await (await send_nowait(producer, topic, key, value, headers, signer=signer))
+    publisher's signature; for a control record, ``control``'s); returns once the broker acknowledged."""
+    return await (await send_nowait(producer, topic, key, value, headers, signer=signer, control=control))
 
 
 async def send_nowait(producer: AIOKafkaProducer, topic: Topic, key: str, value: Contract,
                       headers: Headers | None = None, *, signer: BatchSigner | _FromEnv | None = FROM_ENV,
-                      ) -> Any:
+                      control: ControlSigner | None = None) -> Any:
     """As :func:`send`, returning once the record is queued: await the returned future for the
     broker's acknowledgement (so that many records share a round trip)."""
     raw_key = key.encode("utf-8")
     payload = codec.encode(topic, value)
     return await producer.send(topic.name, payload, key=raw_key,
-                               headers=record_headers(raw_key, payload, value, headers, signer) or None)
+                               headers=record_headers(raw_key, payload, value, headers, signer, topic=topic,
+                                                      control=control) or None)
 
 
 def decode_record(topic: Topic, record: ConsumerRecord) -> Contract:

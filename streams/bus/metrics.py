@@ -21,6 +21,14 @@ class _Metrics:
                                       ["service", "unit"], registry=registry)
         self.events_rejected = Counter("nexuskv_events_rejected", "records sent to the dead-letter topic",
                                        ["service", "topic"], registry=registry)
+        # reason: a short code (unsigned, malformed, forged, not_entitled, replayed, stale, outside_window,
+        # window_full), never free text; every such record is also dead-lettered with its full reason.
+        self.records_refused = Counter("nexuskv_records_refused",
+                                       "signed-topic records refused before they were acted on",
+                                       ["service", "topic", "reason"], registry=registry)
+        # reason: tenant, pinned, in_flight, reading, anchored, size, expiry, no_tier, other.
+        self.hints_refused = Counter("nexuskv_hints_refused", "placement hints (or their blocks) a tier manager "
+                                     "refused to act on", ["kind", "reason"], registry=registry)
         self.consumer_lag = Gauge("nexuskv_consumer_lag", "records behind the end of the consumed topic",
                                   ["service", "topic"], registry=registry)
         # reason: a short code (the planner's reason up to its first ':'), never free text.

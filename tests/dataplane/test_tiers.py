@@ -139,7 +139,7 @@ def test_pins_are_held_within_the_tier_quota(tiers):
 
 
 def test_a_prefetch_reservation_holds_real_room_until_it_expires(tiers):
-    h, m, host, _disk = tiers(host_blocks=4, disk_blocks=0)
+    h, m, host, _disk = tiers(host_blocks=4, disk_blocks=0, prefetch_fraction=0.75)
     assert m.reserve("t-1", Tier.HOST, 3 * BLOCK_BYTES, tenant="acme", expires_at=h.clock.now + 2) is None
     assert host.free_bytes() == BLOCK_BYTES
     out = m.save(save_blocks(chain_tokens(1, 2)), Tier.HOST, tenant="acme")

@@ -63,7 +63,7 @@ def test_index_api_tokens_parse_and_bad_ones_name_the_variable_without_echoing_t
     from nexuskv.config import parse_api_tokens
 
     s = Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": "a" * 16 + "=acme, " + "b" * 20 + "=globex",
-                           "NEXUSKV_IDENTITY_SECRET": "s" * 16})
+                           "NEXUSKV_IDENTITY_SECRET": "s" * 16, "NEXUSKV_BUS_SECRET": "b" * 16})
     assert s.api_tokens == {"a" * 16: "acme", "b" * 20: "globex"}
     assert Settings.from_env({}).api_tokens == {} and parse_api_tokens("") == {}
     for bad in ("short=acme", "x" * 16, "y" * 16 + "="):
@@ -82,9 +82,35 @@ def test_a_deployment_with_more_than_one_tenant_refuses_to_start_without_an_iden
             Settings.from_env(env)
         assert info.value.field == "NEXUSKV_IDENTITY_SECRET" and "2 tenants" in str(info.value)
         assert "a" * 16 not in str(info.value) and (not secret or secret not in str(info.value))
-    assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": two, "NEXUSKV_IDENTITY_SECRET": "x" * 16}).api_tokens
+    assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": two, "NEXUSKV_IDENTITY_SECRET": "x" * 16,
+                              "NEXUSKV_BUS_SECRET": "b" * 16}).api_tokens
     one = "a" * 16 + "=acme," + "b" * 16 + "=acme"  # one tenant, two tokens: nobody to probe
     assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": one}).identity_secret == ""
+
+
+def test_a_deployment_with_more_than_one_tenant_refuses_to_start_without_a_bus_secret():
+    # Without one, anyone who can write to the bus sends placement hints and transfer commands that
+    # evict and move another tenant's state (issue 23).
+    two = "a" * 16 + "=acme," + "b" * 16 + "=globex"
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": two, "NEXUSKV_IDENTITY_SECRET": "x" * 16})
+    assert info.value.field == "NEXUSKV_BUS_SECRET" and "2 tenants" in str(info.value)
+    assert "a" * 16 not in str(info.value)
+    s = Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": two, "NEXUSKV_IDENTITY_SECRET": "x" * 16,
+                           "NEXUSKV_BUS_SECRET": "b" * 16})
+    assert s.bus_secret_bytes == b"b" * 16
+    one = "a" * 16 + "=acme," + "b" * 16 + "=acme"
+    assert Settings.from_env({"NEXUSKV_INDEX_API_TOKENS": one}).bus_secret == ""
+
+
+def test_control_and_hint_bounds_are_validated():
+    s = Settings.from_env({})
+    assert (s.control_max_age_s, s.tier_prefetch_fraction, s.tier_prefetch_max_s) == (300.0, 0.25, 60.0)
+    for var, bad in (("NEXUSKV_CONTROL_MAX_AGE", "0"), ("NEXUSKV_TIER_PREFETCH_FRACTION", "1.5"),
+                     ("NEXUSKV_TIER_PREFETCH_FRACTION", "0"), ("NEXUSKV_TIER_PREFETCH_MAX", "-1")):
+        with pytest.raises(ConfigError) as info:
+            Settings.from_env({var: bad})
+        assert info.value.field == var
 
 
 def test_bus_secret_and_publisher_keys_are_checked_and_never_echoed():

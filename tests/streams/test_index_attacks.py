@@ -160,6 +160,32 @@ async def test_spoofed_batches_cannot_harm_a_genuine_publisher_and_absurd_jumps_
     assert sum("refused incarnation jump" in r for r in reasons) == 1
 
 
+async def test_replayed_signed_batches_are_dead_lettered_as_replayed_and_change_nothing(kafka_url, tmp_path):
+    # Issue 23: a replay of genuine, validly signed batches was dropped silently.
+    _r, batches = replay(limit=60, workers=2, prefix="rpl")
+    genuine = BatchSigner(bus_secret=BUS.encode())
+    topic, group, dead = names()
+    await topics(kafka_url, topic, dead)
+    proc = worker(kafka_url, tmp_path, topic, group, dead, bus_secret=BUS)
+    try:
+        half = len(batches) // 2
+        await produce(kafka_url, topic, encoded(batches[:half], genuine))
+        await wait_checkpointed([tmp_path], topic, group, await end_offsets(kafka_url, topic), [proc])
+        replayed = encoded(batches[:10], genuine)  # the same signed records, sent again by an outsider
+        await produce(kafka_url, topic, replayed)
+        await produce(kafka_url, topic, encoded(batches[half:], genuine))
+        best = await wait_checkpointed([tmp_path], topic, group, await end_offsets(kafka_url, topic), [proc])
+    finally:
+        proc.stop()
+    truth = reference(batches).facts()
+    assert lost_and_phantom(restored(best).facts(), truth) == (0, 0)
+    letters = await dead_letters(kafka_url, dead, 10)
+    reasons = [le.reason for le in letters]
+    assert len(letters) == 10 and all(r.startswith("replayed: batch ") for r in reasons), reasons
+    assert all(le.error_type == "ReplayedError" for le in letters)
+    assert {le.payload for le in letters} == {value for _key, value, *_ in replayed}
+
+
 async def test_after_a_crash_an_idle_partitions_checkpoint_still_catches_up(kafka_url, tmp_path):
     # Defect 8, first half: a worker killed after applying a partition's records but before
     # checkpointing them, restarted, with no new record for that partition.

@@ -46,3 +46,50 @@ def test_metrics_endpoint_serves_the_collectors():
     assert 'nexuskv_consumer_lag{service="test",topic="nexuskv.kv-events"} 7.0' in body
     for name in ("nexuskv_events_applied", "nexuskv_events_rejected", "nexuskv_index_memberships"):
         assert name in body
+
+
+def _reachable(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _other_address() -> str | None:
+    """An address of this host that is not loopback, if it has one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+def test_metrics_bind_loopback_by_default():
+    import pytest
+
+    from nexuskv.config import Settings
+    from nexuskv.errors import ConfigError
+
+    assert Settings.from_env({}).metrics_host == "127.0.0.1"
+    assert Settings.from_env({"NEXUSKV_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
+    assert Settings.from_env({"NEXUSKV_METRICS_HOST": "metrics.internal"}).metrics_host == "metrics.internal"
+    with pytest.raises(ConfigError, match="NEXUSKV_METRICS_HOST"):
+        Settings.from_env({"NEXUSKV_METRICS_HOST": "0.0.0.0:9000"})
+    with pytest.raises(ConfigError, match="NEXUSKV_METRICS_HOST"):
+        Settings.from_env({"NEXUSKV_METRICS_HOST": "bad host"})
+    port = free_port()
+    assert serve_metrics(port)  # the default host
+    assert _reachable("127.0.0.1", port)
+    other = _other_address()
+    if other is not None:  # a host with another interface: the endpoint must not answer there
+        assert not _reachable(other, port)
+        wide = free_port()
+        assert serve_metrics(wide, host="0.0.0.0")
+        assert _reachable(other, wide)

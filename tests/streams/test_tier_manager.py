@@ -53,8 +53,8 @@ TIMEOUT_S = 60
 
 
 def _hint(kind: HintKind, worker: str, *, keys=(), tier=Tier.HOST, transfer_id=None, expires_at=None, nbytes=0,
-          to_tier=None) -> PlacementHint:
-    return PlacementHint(hint_id=f"h-{uuid.uuid4().hex[:8]}", tenant_namespace="acme", kind=kind, worker=worker,
+          to_tier=None, tenant="acme") -> PlacementHint:
+    return PlacementHint(hint_id=f"h-{uuid.uuid4().hex[:8]}", tenant_namespace=tenant, kind=kind, worker=worker,
                          tier=tier, keys=tuple(k.key for k in keys), descriptor_id="tiny-desc" if keys else None,
                          blocks=len(keys), bytes=nbytes, transfer_id=transfer_id, expires_at=expires_at,
                          to_tier=to_tier, issued_at=time.time(), reason="test")
@@ -104,6 +104,117 @@ def test_every_hint_kind_has_a_consumer():
         assert host.keys() == []
     finally:
         ex.close()
+
+
+def _refused(kind: str, reason: str) -> float:
+    from streams.bus.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("nexuskv_hints_refused_total", {"kind": kind, "reason": reason}) or 0.0
+
+
+def test_a_hint_acts_only_in_the_tenant_scope_it_names():
+    """The attack of issue 23: a hint naming another tenant's blocks evicted 32 of 32 of them."""
+    host = HostMemoryBackend(64 * BLOCK_BYTES, pin=False)
+    device = DeviceMemoryBackend(64 * BLOCK_BYTES)
+    catalog = BackendCatalog("w0", [device, host])
+    manager = TierManager(catalog)
+    ex = TransferExecutor(catalog, tiers=manager)
+    try:
+        chain = save_blocks(chain_tokens(1, 32))
+        assert manager.save(chain, Tier.HOST, tenant="acme").ok
+        keys = [b.key for b in chain]
+        before = {k: _refused(k, "tenant") for k in ("evict", "demote", "pin")}
+        done = handle_hint(_hint(HintKind.EVICT, "w0", keys=keys, tenant="mallory"), manager, ex, worker="w0")
+        assert "0 (left alone: 32 tenant) dropped" in done, done
+        done = handle_hint(_hint(HintKind.DEMOTE, "w0", keys=keys, to_tier=Tier.DISK, tenant="mallory"), manager, ex,
+                           worker="w0")
+        assert "0 (left alone: 32 tenant) moved" in done, done
+        pin = handle_hint(_hint(HintKind.PIN, "w0", keys=keys, transfer_id="t-m", expires_at=time.time() + 60,
+                                tenant="mallory"), manager, ex, worker="w0")
+        assert "none pinned" in pin
+        assert all(manager.holds(k, Tier.HOST) for k in keys) and len(host.keys()) == 32
+        assert next(u for u in manager.usage() if u.tier is Tier.HOST).pinned_bytes == 0
+        assert _refused("evict", "tenant") - before["evict"] == 32
+        assert _refused("demote", "tenant") - before["demote"] == 32
+        assert _refused("pin", "tenant") - before["pin"] == 1
+        # acme's own room is not another tenant's to release
+        assert handle_hint(_hint(HintKind.PREFETCH, "w0", tier=Tier.GPU, transfer_id="t-a", nbytes=4 * BLOCK_BYTES,
+                                 expires_at=time.time() + 30), manager, ex, worker="w0").endswith("room held")
+        assert "released" not in handle_hint(_hint(HintKind.CANCEL, "w0", tier=Tier.GPU, transfer_id="t-a",
+                                                   tenant="mallory"), manager, ex, worker="w0")
+        assert device.free_bytes() == 60 * BLOCK_BYTES
+        # the tenant itself may
+        assert "32 dropped" in handle_hint(_hint(HintKind.EVICT, "w0", keys=keys), manager, ex, worker="w0")
+    finally:
+        ex.close()
+
+
+def test_an_evict_or_demote_never_touches_pinned_or_busy_state():
+    host = HostMemoryBackend(16 * BLOCK_BYTES, pin=False)
+    device = DeviceMemoryBackend(16 * BLOCK_BYTES)
+    catalog = BackendCatalog("w0", [device, host])
+    manager = TierManager(catalog)
+    try:
+        pinned, read = save_blocks(chain_tokens(1, 4)), save_blocks(chain_tokens(2, 4))
+        assert manager.save(pinned + read, Tier.HOST, tenant="acme").ok
+        pk, rk = [b.key for b in pinned], [b.key for b in read]
+        assert "4 blocks pinned" in handle_hint(_hint(HintKind.PIN, "w0", keys=pk, transfer_id="t-p",
+                                                      expires_at=time.time() + 60), manager, None, worker="w0")
+        with manager.reading(host, rk):  # a transfer or a reader is using these now
+            done = handle_hint(_hint(HintKind.EVICT, "w0", keys=pk + rk), manager, None, worker="w0")
+            assert "0 (left alone: 4 busy, 4 pinned) dropped" in done, done
+            done = handle_hint(_hint(HintKind.DEMOTE, "w0", keys=pk + rk, to_tier=Tier.DISK), manager, None,
+                               worker="w0")
+            assert "left alone: 4 busy, 4 pinned" in done, done
+        assert all(manager.holds(k, Tier.HOST) for k in pk + rk)
+    finally:
+        manager.close()
+
+
+def test_a_prefetch_reservation_is_bounded_in_size_and_time():
+    """The attack of issue 23: one prefetch sized to the whole tier, for ten years."""
+    device = DeviceMemoryBackend(64 * BLOCK_BYTES)
+    host = HostMemoryBackend(64 * BLOCK_BYTES, pin=False)
+    catalog = BackendCatalog("w0", [device, host])
+    clock = [1000.0]
+    manager = TierManager(catalog, clock=lambda: clock[0], prefetch_fraction=0.25, prefetch_max_s=60.0)
+    try:
+        chain = save_blocks(chain_tokens(1, 32))
+        assert manager.save(chain, Tier.GPU, tenant="acme").ok
+        size_before, expiry_before = _refused("prefetch", "size"), _refused("prefetch", "expiry")
+        whole = _hint(HintKind.PREFETCH, "w0", tier=Tier.GPU, transfer_id="t-all", nbytes=64 * BLOCK_BYTES,
+                      expires_at=clock[0] + 10 * 365 * 86400.0, tenant="mallory")
+        done = handle_hint(whole, manager, None, worker="w0")
+        assert "no room held (prefetch share" in done, done
+        assert all(manager.holds(b.key, Tier.GPU) for b in chain)  # nothing displaced
+        assert _refused("prefetch", "size") - size_before == 1
+        # within the share (16 of 64 blocks), and held 60 s at most, not ten years
+        part = _hint(HintKind.PREFETCH, "w0", tier=Tier.GPU, transfer_id="t-part", nbytes=16 * BLOCK_BYTES,
+                     expires_at=clock[0] + 10 * 365 * 86400.0)
+        assert handle_hint(part, manager, None, worker="w0").endswith("room held")
+        assert _refused("prefetch", "expiry") - expiry_before == 1
+        more = _hint(HintKind.PREFETCH, "w0", tier=Tier.GPU, transfer_id="t-more", nbytes=BLOCK_BYTES,
+                     expires_at=clock[0] + 30)
+        assert "prefetch share" in handle_hint(more, manager, None, worker="w0")  # the share is for all of them
+        clock[0] += 61
+        manager.tick()
+        assert manager.counters["reservations_expired"] == 1
+        assert next(u for u in manager.usage() if u.tier is Tier.GPU).reserved_bytes == 0
+        # legitimate saves are not refused after it
+        assert manager.save(save_blocks(chain_tokens(2, 16)), Tier.GPU, tenant="acme").ok
+    finally:
+        manager.close()
+
+
+def test_build_takes_the_hint_bounds_from_settings(tmp_path):
+    settings = Settings.from_env({"NEXUSKV_DATA_DIR": str(tmp_path), "NEXUSKV_WORKER": "w0",
+                                  "NEXUSKV_TIER_PREFETCH_FRACTION": "0.1", "NEXUSKV_TIER_PREFETCH_MAX": "5"})
+    manager, executor = build(settings, publish=lambda b: None)
+    try:
+        assert (manager.prefetch_fraction, manager.prefetch_max_s) == (0.1, 5.0)
+    finally:
+        executor.close()
+        manager.close()
 
 
 class _SlowDevice(DeviceMemoryBackend):
