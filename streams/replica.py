@@ -29,7 +29,8 @@ Freshness, filled into every :class:`~nexuskv.lookup.LookupResult`:
   high watermark from the last fetch minus the next offset to apply);
 * ``lag_ms`` — 0 when caught up; otherwise, per lagging partition, now minus the timestamp of the
   last record applied from it (no later than the oldest unapplied one's, so it bounds how stale
-  the answer is), the largest over partitions; milliseconds of the caller's clock.
+  the answer is), the largest over partitions; milliseconds of the caller's clock. Infinite for
+  a partition behind that has had no record applied yet (how stale is then unknown).
 
 **Unknown until fetched.** Before a fetch of every partition has told the replica where the log
 ends, its lag is not known, and it never says 0: :meth:`IndexReplica.lag` answers ``(None, inf)``
@@ -253,7 +254,8 @@ class IndexReplica:
             gap = max(0, high - self._next[tp.partition])
             if gap:
                 behind += gap
-                age = max(age, now_ms - self._last_ts_ms.get(tp.partition, now_ms))
+                last = self._last_ts_ms.get(tp.partition)  # none applied yet: how stale is unknown
+                age = max(age, math.inf if last is None else now_ms - last)
         METRICS.consumer_lag.labels(self.client_id, self.topic.name).set(behind if known else math.nan)
         return behind, (max(0.0, age) if known else math.inf), known
 
