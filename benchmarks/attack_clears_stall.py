@@ -114,7 +114,7 @@ async def run(url, *, requests: int) -> dict:
             await produce(url, topic, [(victim.publisher.encode(), hostile)])
             began = time.perf_counter()
             i = 0
-            while replica.lag()[0] or i < 4:
+            while replica.lag()[0] != 0 or i < 4:
                 req = _request(i)
                 i += 1
                 sent[req.request_id] = time.perf_counter()

@@ -18,6 +18,14 @@ no external hits: the engine recomputes, and its output is the one it computes w
   blocks, a prefix beyond the query, an unknown tier...): ``malformed``, and the connection is
   dropped.
 
+* an error answer (the sidecar refused the ask: too many keys, a bad scope, large asks queued, or
+  the connection itself — at its connection cap, a frame it found malformed): ``refused``; a
+  refused connection (id 0) is dropped and backs off like a failure, a refused ask does not.
+
+**Bounded asks.** An ask carries at most ``max_keys`` keys (``NEXUSKV_INDEX_MAX_ASK_KEYS``, the
+sidecar's own cap): a longer prompt asks for its first ``max_keys`` blocks (``trimmed``) and the
+rest are misses, a prefix of the answer the whole ask would have had.
+
 After a failure the client answers misses at once for ``backoff_s`` (``skipped``), so a hung or
 dead sidecar costs the engine one budget per ``backoff_s``, not one per request; then it asks
 again. ``stats`` counts everything; each change between answering and failing is logged once.
@@ -40,9 +48,11 @@ import numpy as np
 
 from nexuskv.config import Settings
 from nexuskv.contracts.lookup_wire import (
+    MAX_KEYS,
     OP_LOOKUP,
     OP_SYNC,
     VERSION,
+    Answer,
     Ask,
     LocationCache,
     WireError,
@@ -75,16 +85,19 @@ class IndexClient:
     """Asks the index sidecar at ``path``; see the module docstring."""
 
     def __init__(self, path: Path | str, *, budget_s: float = 0.02, backoff_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, name: str = "engine") -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "engine", max_keys: int = 16_384) -> None:
         if not budget_s > 0:
             raise ValueError(f"budget_s must be positive, not {budget_s}")
+        if not 1 <= max_keys <= MAX_KEYS:
+            raise ValueError(f"max_keys must be 1 to {MAX_KEYS}, not {max_keys}")
+        self.max_keys = max_keys
         self.path = str(path)
         self.budget_s = budget_s
         self.backoff_s = backoff_s
         self.clock = clock
         self.name = name
         self.stats = {"asked": 0, "answered": 0, "timeouts": 0, "unavailable": 0, "malformed": 0, "skipped": 0,
-                      "busy": 0, "connects": 0}
+                      "busy": 0, "connects": 0, "refused": 0, "trimmed": 0}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._next_id = 1
@@ -98,9 +111,13 @@ class IndexClient:
     def lookup(self, scope: IdentityScope, keys: Sequence[int] | np.ndarray | bytes) -> LookupResult:
         """The sidecar's matches for ``keys`` in ``scope``, or a miss with infinite lag (see above)."""
         packed = pack_keys(keys)
-        n = len(packed) // 16
+        n = asked = len(packed) // 16
         start = self.clock()
         self.stats["asked"] += 1
+        if n > self.max_keys:
+            self.stats["trimmed"] += 1
+            asked = self.max_keys
+            packed = packed[: 16 * asked]
         if start < self._down_until:
             self.stats["skipped"] += 1
             return _miss(n)
@@ -118,7 +135,10 @@ class IndexClient:
             request = encode_ask(Ask(VERSION, OP_LOOKUP, request_id, wire, packed))
             try:
                 body = self._round_trip(request, deadline)
-                result = result_of(decode_answer(body), request_id, n, self._locations)
+                answer = decode_answer(body)
+                if answer.error and answer.id in (0, request_id):
+                    return self._refused(answer, request_id, n)
+                result = result_of(answer, request_id, asked, self._locations)
             except _Timeout:
                 return self._failed("timeouts", f"no answer within {self.budget_s * 1000:.1f} ms", n)
             except _Gone as exc:
@@ -129,6 +149,9 @@ class IndexClient:
             if self._failing:
                 self._failing = False
                 log.info("%s: the index sidecar at %s answers again", self.name, self.path)
+            if asked < n:  # the first max_keys blocks' answer; the rest are misses
+                return LookupResult(num_blocks=n, matches=result.matches, lag_events=result.lag_events,
+                                    lag_ms=result.lag_ms)
             return result
         finally:
             self._lock.release()
@@ -232,6 +255,13 @@ class IndexClient:
                 pass
             self._sock = None
 
+    def _refused(self, answer: Answer, request_id: int, n: int) -> LookupResult:
+        if answer.id == 0:  # the connection was refused (or closed) with the reason: drop it, back off
+            return self._failed("refused", answer.error[:300], n)
+        self.stats["refused"] += 1
+        log.debug("%s: the index sidecar refused ask %d: %s", self.name, request_id, answer.error[:300])
+        return _miss(n)
+
     def _failed(self, counter: str, why: str, n: int) -> LookupResult:
         self._drop()
         self.stats[counter] += 1
@@ -250,4 +280,5 @@ def _miss(n: int) -> LookupResult:
 def client_from_settings(settings: Settings, *, name: str) -> IndexClient:
     """The client of this node's sidecar, as the settings place it and budget it."""
     return IndexClient(settings.index_socket_path, budget_s=settings.index_ask_budget_ms / 1000.0,
-                       backoff_s=settings.index_ask_backoff_ms / 1000.0, name=name)
+                       backoff_s=settings.index_ask_backoff_ms / 1000.0, name=name,
+                       max_keys=settings.index_max_ask_keys)

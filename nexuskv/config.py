@@ -235,6 +235,24 @@ class Settings(BaseModel):
         "After an ask failed (timeout, sidecar down, malformed answer), milliseconds an engine answers misses at "
         "once without asking, before it tries the sidecar again.", 1000.0, ge=0, le=600_000,
     )
+    index_max_ask_keys: int = _env(
+        "NEXUSKV_INDEX_MAX_ASK_KEYS",
+        "Most canonical keys (blocks) one ask of the index sidecar may carry: the longest prompt an engine serves "
+        "divided by its block size (16,384: 256K tokens of 16-token blocks). The sidecar refuses larger asks; "
+        "the engine's client asks for the first this many blocks of a longer prompt (the rest are misses).",
+        16_384, ge=1, le=1 << 16,
+    )
+    index_max_connections: int = _env(
+        "NEXUSKV_INDEX_MAX_CONNECTIONS",
+        "Most engine connections the index sidecar holds; beyond it a new one takes the place of the one idle "
+        "longest (idle at least 10 s) or is refused with an error frame. Bounds the sidecar's memory with "
+        "NEXUSKV_INDEX_MAX_ASK_KEYS (each connection buffers at most one ask).", 128, ge=1, le=65_536,
+    )
+    index_frame_deadline_ms: float = _env(
+        "NEXUSKV_INDEX_FRAME_DEADLINE_MS",
+        "Milliseconds an engine connection has to finish sending a frame it began; past it the sidecar closes the "
+        "connection (a slow or stalled sender holds no memory for longer).", 1000.0, gt=0, le=600_000,
+    )
     worker: str = _env(
         "NEXUSKV_WORKER",
         "Worker id of this process's data plane: its tier manager owns this worker's tiers and its transfer "

@@ -8,7 +8,9 @@
      "token_ids": [...], "block_size": 16}         # the endpoint keys them (no secret needed)
 
 answers ``{"num_blocks", "lag_events", "lag_ms", "matches": [{"worker", "tier", "group",
-"publisher", "prefix_blocks", "extents": [[start, end], ...], "certain"}]}``.
+"publisher", "prefix_blocks", "extents": [[start, end], ...], "certain"}]}`` (``lag_ms`` null: the
+replica's lag is unknown — it has not fetched every partition yet, or it stopped applying — and
+``lag_events`` is then a lower bound, at least 1).
 
 * **Authenticated**: the token must be one of ``NEXUSKV_INDEX_API_TOKENS`` (compared in constant
   time); none configured, no header, or a wrong token: 401 to everyone.
@@ -21,9 +23,13 @@ answers ``{"num_blocks", "lag_events", "lag_ms", "matches": [{"worker", "tier", 
   400 with the reason, never a 500. Token ids are keyed by the replica with a bounded keyer cache
   (:data:`streams.replica.KEYER_CACHE`), so 20,000 distinct block sizes cost nothing lasting.
 
-``GET /healthz`` (no token) answers ``{"ok": true, "lag_events": n}`` and nothing tenant-specific
-(503 with ``ok: false`` once the replica stopped applying). The service exits non-zero when its
-replica's apply task or its HTTP server fails (:class:`streams.supervisor.Supervisor`).
+``GET /healthz`` (no token) answers ``{"ok", "ready", "caught_up", "lag_events", "lag_ms"}`` and
+nothing tenant-specific: ``ready`` once the replica applied the log to the end offsets it found at
+start (the service's ``/readyz`` says the same, :func:`streams.replica.report_readiness`);
+``caught_up`` only while its lag is known and 0; ``lag_events``/``lag_ms`` null while unknown (no
+fetch yet). 503 with ``ok: false`` until ready, and once the replica stopped applying. The service
+exits non-zero when its replica's apply task or its HTTP server fails
+(:class:`streams.supervisor.Supervisor`).
 Run: ``python -m streams.index_api`` (``nexuskv up`` starts it).
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -44,7 +51,7 @@ from nexuskv.identity import IdentityScope
 from nexuskv.lookup import LookupResult
 from streams.bus.health import HEALTH
 from streams.bus.process import freeze_startup_heap
-from streams.replica import IndexReplica
+from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
 
@@ -59,7 +66,8 @@ _SCOPE_FIELDS = ("model", "model_revision", "tokenizer_revision", "descriptor_id
 
 def result_json(result: LookupResult) -> dict[str, Any]:
     return {
-        "num_blocks": result.num_blocks, "lag_events": result.lag_events, "lag_ms": result.lag_ms,
+        "num_blocks": result.num_blocks, "lag_events": result.lag_events,
+        "lag_ms": result.lag_ms if math.isfinite(result.lag_ms) else None,  # JSON has no infinity: unknown
         "matches": [{"worker": m.location.worker, "tier": m.location.tier.value, "group": m.location.group,
                      "publisher": m.publisher, "prefix_blocks": m.prefix_blocks,
                      "extents": [[e.start, e.end] for e in m.extents], "certain": m.certain}
@@ -145,9 +153,11 @@ def make_lookup_app(replica: IndexReplica, tokens: Mapping[str, str]) -> web.App
         return web.json_response(result_json(result))
 
     async def health(_request: web.Request) -> web.Response:
-        if replica.failure is not None:
-            return web.json_response({"ok": False, "lag_events": replica.lag()[0]}, status=503)
-        return web.json_response({"ok": True, "lag_events": replica.lag()[0]})
+        behind, ms = replica.lag()
+        ready = replica.caught_up()
+        ok = ready and replica.failure is None
+        return web.json_response({"ok": ok, "ready": ready, "caught_up": ok and behind == 0, "lag_events": behind,
+                                  "lag_ms": ms if math.isfinite(ms) else None}, status=200 if ok else 503)
 
     app = web.Application(client_max_size=8 << 20)
     app.router.add_post("/v1/lookup", lookup)
@@ -162,6 +172,7 @@ async def _serve(settings: Settings, stop: Any) -> None:
                            checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
                            bus_secret=settings.bus_secret_bytes, client_id="nexuskv-index-api",
                            expected_blocks=settings.index_expected_blocks)
+    HEALTH.set_ready("replica", False, "starting: lag unknown (no fetch yet)")
     await replica.start()
     supervisor = Supervisor("index-api")
     assert replica.task is not None
@@ -171,6 +182,7 @@ async def _serve(settings: Settings, stop: Any) -> None:
     site = web.TCPSite(runner, settings.index_api_host, settings.index_api_port)
     await site.start()
     HEALTH.set_ready("http", True)
+    supervisor.spawn(report_readiness(replica), name="catch-up")
     freeze_startup_heap()
     log.info("index lookup endpoint on http://%s:%d", settings.index_api_host, settings.index_api_port)
     try:

@@ -12,22 +12,47 @@ applies every event of the fleet; in every engine process that is engines x even
 the engine's interpreter, next to vLLM's scheduler. Here one process per node applies them, and a
 node's engines share it (as Dynamo's and LMCache's per-node services are shared).
 
-**Bounded time.** The replica applies in slices of at most :data:`streams.kv_intake.SLICE_S` of
-work and yields between them (:mod:`streams.replica`); lookups are answered on the same loop, as
-soon as their frame is read, so an ask waits behind at most one slice of ingest plus the asks
-queued before it. The client gives up after its budget (``NEXUSKV_INDEX_ASK_BUDGET_MS``) and the
-engine recomputes.
+**Asks off the ingest path.** The replica applies kv-events on the service's event loop, in
+slices (:mod:`streams.replica`). Asks never run there: the socket is served by an event loop of
+its own on the thread ``index-asks``, which reads frames, answers each small ask at once
+(:meth:`nexuskv.index.GlobalIndex.lookup` is thread-safe, and the native core's lookup takes
+its read lock with the GIL released) and writes the answer. An ingest slice therefore never
+holds an ask; what an ask shares with ingest is the GIL between the native calls, and the service
+lowers the interpreter's switch interval (:data:`ASK_SWITCH_INTERVAL_S`) so a waiting ask thread
+gets it within a fraction of a millisecond rather than the default 5 ms. An ask of more than
+:attr:`AskLimits.bulk_keys` keys is answered on a second thread, ``index-bulk-asks`` (at most
+:attr:`AskLimits.bulk_queue` of them queued; more are refused ``busy``), so a large ask cannot
+hold the small ones behind it. ``OP_SYNC`` waits on the replica's loop, holding nothing here.
 
-**Hostile or broken clients.** A frame larger than :data:`nexuskv.contracts.lookup_wire.MAX_FRAME` or not an
-ask closes that connection (counted in :attr:`IndexSidecar.malformed`); a lookup whose scope does
-not validate is answered with an error. The socket is created mode 0660: only the node's NexusKV
-user and group reach it; it is the trust boundary (a local process may look up any tenant's
-blocks, as an engine of that tenant needs to).
+**Bounded** (:class:`AskLimits`, from the settings):
+
+* an ask carries at most ``NEXUSKV_INDEX_MAX_ASK_KEYS`` keys (what an engine's longest prompt
+  needs; the client asks for the first that many of a longer one): more is answered with an error;
+  a frame announcing more bytes than such an ask needs is refused before it is read;
+* a connection has ``NEXUSKV_INDEX_FRAME_DEADLINE_MS`` to finish a frame it began (a slowloris
+  sender is closed);
+* at most ``NEXUSKV_INDEX_MAX_CONNECTIONS`` connections: a new one beyond takes the place of the
+  one idle longest if that one has been idle :attr:`AskLimits.idle_evict_s`, else it is refused;
+* one ask per connection at a time: reading pauses while an ask of the connection is answered
+  on another thread or while its answers are not read, so a connection buffers at most one frame
+  (plus one socket read) and one answer. Memory is at most connections x (frame + answer).
+
+Every refusal is counted on ``nexuskv_index_ask_refusals{reason}`` (and :attr:`IndexSidecar.refusals`)
+and answered with an error frame where the wire allows: with the ask's id for an ask refused
+(``too_many_keys``, ``bad_scope``, ``bulk_busy``), with id 0 before closing a connection
+(``connections``, ``frame_deadline``, ``frame_size``, ``malformed``); ``evicted`` counts idle
+connections closed for a new one.
+
+**Hostile or broken clients.** The socket is created mode 0660: only the node's NexusKV user and
+group reach it; it is the trust boundary (a local process may look up any tenant's blocks, as an
+engine of that tenant needs to). Within it, no client can hold another's asks past the bounds
+above.
 
 **Supervised.** The replica's apply task and the server run under a
-:class:`~streams.supervisor.Supervisor`: either failing ends the process with status 1 (``nexuskv
-up`` notices). ``/livez`` and ``/readyz`` on ``NEXUSKV_METRICS_PORT``: ready once the socket
-listens and the replica has caught up with the log it found at start.
+:class:`~streams.supervisor.Supervisor`: either failing (the ask thread ending included) ends the
+process with status 1 (``nexuskv up`` notices). ``/livez`` and ``/readyz`` on
+``NEXUSKV_METRICS_PORT``: ready once the socket listens and the replica has caught up with the end
+offsets it found at start (:func:`streams.replica.report_readiness`).
 
 Run: ``python -m streams.index_sidecar`` (``nexuskv up`` starts it).
 """
@@ -35,12 +60,15 @@ Run: ``python -m streams.index_sidecar`` (``nexuskv up`` starts it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 import sys
+import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +81,7 @@ from nexuskv.contracts.lookup_wire import (
     WireError,
     WireScope,
     answer_of,
+    ask_frame_limit,
     decode_ask,
     encode_answer,
     frame_length,
@@ -61,80 +90,203 @@ from nexuskv.contracts.lookup_wire import (
 from nexuskv.errors import ConfigError, NexusKVError
 from nexuskv.identity import IdentityScope
 from streams.bus.health import HEALTH
+from streams.bus.metrics import METRICS
 from streams.bus.process import freeze_startup_heap
-from streams.replica import IndexReplica
+from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
 
-__all__ = ["IndexSidecar", "main"]
+__all__ = ["IndexSidecar", "AskLimits", "ASK_SWITCH_INTERVAL_S", "prefer_asks", "main"]
 
 log = logging.getLogger("nexuskv.index_sidecar")
 _SCOPES = 1024
+#: The interpreter's switch interval in the sidecar process (CPython's default is 5 ms): how long
+#: the ingest loop may keep the GIL from an ask thread that wants it.
+ASK_SWITCH_INTERVAL_S = 0.0002
+
+
+def prefer_asks() -> None:
+    """Lower this process's switch interval to :data:`ASK_SWITCH_INTERVAL_S` (the service does)."""
+    sys.setswitchinterval(ASK_SWITCH_INTERVAL_S)
+
+
+@dataclass(frozen=True, slots=True)
+class AskLimits:
+    """What one engine connection may cost the sidecar (see the module docstring)."""
+
+    max_keys: int = 16_384
+    max_connections: int = 128
+    frame_deadline_s: float = 1.0
+    idle_evict_s: float = 10.0
+    bulk_keys: int = 2048
+    bulk_queue: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_keys", "max_connections", "bulk_keys", "bulk_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AskLimits.{name} must be at least 1, not {getattr(self, name)}")
+        if not (self.frame_deadline_s > 0 and self.idle_evict_s >= 0):
+            raise ValueError(f"AskLimits: frame_deadline_s {self.frame_deadline_s} must be positive, "
+                             f"idle_evict_s {self.idle_evict_s} non-negative")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AskLimits:
+        return cls(max_keys=settings.index_max_ask_keys, max_connections=settings.index_max_connections,
+                   frame_deadline_s=settings.index_frame_deadline_ms / 1000.0)
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest ask body read: one of :attr:`max_keys` keys."""
+        return ask_frame_limit(self.max_keys)
 
 
 class _Connection(asyncio.Protocol):
+    """One engine connection, on the ask loop: frames in, one ask at a time, answers out."""
+
     def __init__(self, sidecar: IndexSidecar) -> None:
         self.sidecar = sidecar
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.last_active = self.loop.time()
+        self.busy = False  # one of its asks is answered on another thread: reading paused
+        self.write_paused = False  # its answers are not read: reading paused
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and not self.buffer and self.transport is not None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.sidecar.connections += 1
-        self.sidecar._open.add(self)
+        self.sidecar._admit(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self.sidecar._open.discard(self)
+        self.buffer = bytearray()
+        self._stop_clock()
+        self.sidecar._gone(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._pause()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._resume()
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buffer
-        buf += data
-        while len(buf) >= 4 and self.transport is not None:
+        self.buffer += data
+        self.last_active = self.loop.time()
+        self._process()
+
+    def _process(self) -> None:
+        buf, limit = self.buffer, self.sidecar.limits.frame_limit
+        while len(buf) >= 4 and not self.busy and not self.write_paused and self.transport is not None:
             try:
-                n = frame_length(bytes(buf[:4]))
+                n = frame_length(bytes(buf[:4]), limit)
             except WireError as exc:
-                self._refuse(exc)
+                self.refuse("frame_size", str(exc))
                 return
             if len(buf) < 4 + n:
-                return
+                break
             body = bytes(buf[4:4 + n])
             del buf[:4 + n]
+            self._stop_clock()  # the frame is whole: the next one gets a deadline of its own
             try:
                 ask = decode_ask(body)
             except WireError as exc:
-                self._refuse(exc)
+                self.sidecar.malformed += 1
+                self.refuse("malformed", str(exc))
                 return
             self.sidecar.answer(ask, self)
+        if buf and self.transport is not None and not self.busy and not self.write_paused:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(self.sidecar.limits.frame_deadline_s, self._expired)
+        else:
+            self._stop_clock()
 
-    def _refuse(self, exc: WireError) -> None:
-        self.sidecar.malformed += 1
-        log.warning("index sidecar: closing a connection that sent a malformed frame: %s", exc)
+    def _stop_clock(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.buffer and not self.busy and not self.write_paused:
+            ms = self.sidecar.limits.frame_deadline_s * 1000
+            self.refuse("frame_deadline", f"a frame not finished within {ms:.0f} ms")
+
+    def _pause(self) -> None:
+        self._stop_clock()
+        if self.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self.transport is None or self.busy or self.write_paused:
+            return
+        with contextlib.suppress(RuntimeError):
+            self.transport.resume_reading()
+        self._process()
+
+    def hold(self) -> None:
+        """An ask of this connection goes to another thread: read nothing more until it is answered."""
+        self.busy = True
+        self._pause()
+
+    def release(self, answer: Answer) -> None:
+        self.busy = False
+        self.send(answer)
+        self._resume()
+
+    def refuse(self, reason: str, why: str, *, request_id: int = 0) -> None:
+        """Count ``reason``; answer the error (id 0: then close the connection)."""
+        self.sidecar._count(reason)
+        if request_id:
+            self.send(Answer(VERSION, request_id, f"{reason}: {why}"))
+            return
+        log.warning("index sidecar: closing a connection (%s): %s", reason, why)
+        self.send(Answer(VERSION, 0, f"{reason}: {why}"))
+        self.buffer = bytearray()
+        self._stop_clock()
         if self.transport is not None:
             self.transport.close()
-        self.buffer.clear()
 
     def send(self, answer: Answer) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_answer(answer))
+            self.last_active = self.loop.time()
 
 
 class IndexSidecar:
     """The Unix-socket server over a started :class:`IndexReplica` (or any object with its
-    ``lookup`` and ``wait_caught_up``); :meth:`start`, then :meth:`close`."""
+    ``lookup``, callable from any thread, and ``wait_caught_up``, a coroutine of the loop that
+    calls :meth:`start`); :meth:`start`, then :meth:`close`. Asks are served on a thread of
+    their own (module docstring)."""
 
-    def __init__(self, replica: Any, path: Path) -> None:
+    def __init__(self, replica: Any, path: Path, limits: AskLimits | None = None) -> None:
         check_socket_path(path)
         self.replica = replica
         self.path = path
+        self.limits = limits or AskLimits()
         self.lookups = 0
-        self.errors = 0  # lookups answered with an error (a scope that does not validate)
+        self.errors = 0  # lookups answered with an error (a scope that does not validate, a failed lookup)
         self.malformed = 0  # connections closed for a malformed frame
         self.connections = 0
+        self.refusals: dict[str, int] = {}
         self._server: asyncio.AbstractServer | None = None
         self._scopes: OrderedDict[WireScope, IdentityScope] = OrderedDict()
-        self._syncs: set[asyncio.Task[None]] = set()
         self._open: set[_Connection] = set()
+        self._home: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._bulk = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-bulk-asks")
+        self._bulk_waiting = 0
+        self._closing = False
+
+    # -- lifecycle (the caller's loop) --------------------------------------------------------------
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,31 +294,96 @@ class IndexSidecar:
             if _listening(self.path):
                 raise ConfigError("NEXUSKV_INDEX_SOCKET", f"another sidecar already listens on {self.path}")
             self.path.unlink()  # a previous sidecar's socket file: it is gone
-        loop = asyncio.get_running_loop()
-        old = os.umask(0o117)  # the socket is created 0660
-        try:
-            self._server = await loop.create_unix_server(lambda: _Connection(self), str(self.path))
-        finally:
-            os.umask(old)
-        log.info("index sidecar listening on %s", self.path)
+        self._home = asyncio.get_running_loop()
+        listening: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(listening,), name="index-asks", daemon=True)
+        self._thread.start()
+        await asyncio.wrap_future(listening)
+        log.info("index sidecar listening on %s (asks on their own thread; at most %d connections, %d keys per ask)",
+                 self.path, self.limits.max_connections, self.limits.max_keys)
 
     async def serve_forever(self) -> None:
-        assert self._server is not None
-        await self._server.serve_forever()
+        """Until :meth:`close`; raises when the ask thread ended otherwise (the supervisor's failure)."""
+        await asyncio.wrap_future(self._ended)
+        if not self._closing:
+            raise RuntimeError("the index sidecar's ask thread stopped")
 
     async def close(self) -> None:
-        for task in list(self._syncs):
-            task.cancel()
-        if self._server is not None:
-            self._server.close()
-            for conn in list(self._open):  # clients see the stop at once, as when the process ends
-                if conn.transport is not None:
-                    conn.transport.close()
+        self._closing = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._shutdown)
             with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
+                await asyncio.wait_for(asyncio.wrap_future(self._ended), 10)
+        self._bulk.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+    # -- the ask thread -----------------------------------------------------------------------------
+
+    def _run(self, listening: concurrent.futures.Future[None]) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            old = os.umask(0o117)  # the socket is created 0660
+            try:
+                self._server = loop.run_until_complete(
+                    loop.create_unix_server(lambda: _Connection(self), str(self.path)))
+            finally:
+                os.umask(old)
+        except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
+            listening.set_exception(exc)
+            loop.close()
+            self._ended.set_result(None)
+            return
+        listening.set_result(None)
+        error: BaseException | None = None
+        try:
+            loop.run_forever()
+        except BaseException as exc:  # noqa: BLE001 - serve_forever raises it in the service's loop
+            error = exc
+            log.error("index sidecar: the ask thread failed", exc_info=exc)
+        finally:
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            if error is not None:
+                self._ended.set_exception(error)
+            else:
+                self._ended.set_result(None)
+
+    def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._open):  # clients see the stop at once, as when the process ends
+            if conn.transport is not None:
+                conn.transport.close()
+        assert self._loop is not None
+        self._loop.call_soon(self._loop.stop)  # after the transports' closing callbacks
+
+    def _count(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        METRICS.index_ask_refusals.labels(reason).inc()
+
+    def _admit(self, conn: _Connection) -> None:
+        self.connections += 1
+        if len(self._open) >= self.limits.max_connections:
+            idle = [c for c in self._open if c.idle]
+            victim = min(idle, key=lambda c: c.last_active, default=None)
+            if victim is None or conn.loop.time() - victim.last_active < self.limits.idle_evict_s:
+                conn.refuse("connections", f"the sidecar holds its {self.limits.max_connections} connections")
+                return
+            self._count("evicted")
+            assert victim.transport is not None
+            victim.transport.close()
+            self._open.discard(victim)
+        self._open.add(conn)
+        METRICS.index_ask_connections.set(len(self._open))
+
+    def _gone(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+        METRICS.index_ask_connections.set(len(self._open))
 
     def _scope(self, wire: WireScope) -> IdentityScope:
         scope = self._scopes.get(wire)
@@ -177,28 +394,83 @@ class IndexSidecar:
         return scope
 
     def answer(self, ask: Ask, conn: _Connection) -> None:
-        if ask.op == OP_LOOKUP:
-            assert ask.scope is not None
-            try:
-                scope = self._scope(ask.scope)
-            except ValueError as exc:
-                self.errors += 1
-                conn.send(Answer(VERSION, ask.id, f"bad scope: {str(exc).splitlines()[0]}"))
-                return
-            self.lookups += 1
-            conn.send(answer_of(ask.id, self.replica.lookup(scope, ask.keys)))
+        """Answer ``ask`` (on the ask loop): small lookups at once, large ones and syncs elsewhere."""
+        if ask.op != OP_LOOKUP:
+            self._sync(ask, conn)
             return
-        task = asyncio.get_running_loop().create_task(self._sync(ask, conn))
-        self._syncs.add(task)
-        task.add_done_callback(self._syncs.discard)
-
-    async def _sync(self, ask: Ask, conn: _Connection) -> None:
+        assert ask.scope is not None
+        n = len(ask.keys) // 16
+        if n > self.limits.max_keys:
+            conn.refuse("too_many_keys", f"{n} keys; this sidecar answers at most {self.limits.max_keys}",
+                        request_id=ask.id)
+            return
         try:
-            await self.replica.wait_caught_up(timeout_s=ask.timeout_ms / 1000.0)
-        except (TimeoutError, NexusKVError) as exc:
-            conn.send(Answer(VERSION, ask.id, f"not caught up: {exc}"))
+            scope = self._scope(ask.scope)
+        except ValueError as exc:
+            self.errors += 1
+            conn.refuse("bad_scope", str(exc).splitlines()[0], request_id=ask.id)
             return
-        conn.send(Answer(VERSION, ask.id))
+        self.lookups += 1
+        if n <= self.limits.bulk_keys:
+            conn.send(self._lookup(ask.id, scope, ask.keys))
+            return
+        if self._bulk_waiting >= self.limits.bulk_queue:
+            conn.refuse("bulk_busy", f"{self._bulk_waiting} large asks are being answered; ask again",
+                        request_id=ask.id)
+            return
+        self._bulk_waiting += 1
+        conn.hold()
+        loop = conn.loop
+
+        def done(future: concurrent.futures.Future[Answer]) -> None:
+            self._bulk_waiting -= 1
+            if future.cancelled():
+                answer = Answer(VERSION, ask.id, "stopping")
+            else:
+                answer = future.result()
+            conn.release(answer)
+
+        future = self._bulk.submit(self._lookup, ask.id, scope, ask.keys)
+        future.add_done_callback(lambda f: _call_soon(loop, done, f))
+
+    def _lookup(self, request_id: int, scope: IdentityScope, keys: bytes) -> Answer:
+        try:
+            return answer_of(request_id, self.replica.lookup(scope, keys))
+        except Exception as exc:  # noqa: BLE001 - an answer, and the engine recomputes
+            self.errors += 1
+            log.exception("index sidecar: a lookup failed")
+            return Answer(VERSION, request_id, f"lookup failed: {type(exc).__name__}")
+
+    def _sync(self, ask: Ask, conn: _Connection) -> None:
+        home, loop = self._home, conn.loop
+        assert home is not None
+        conn.hold()
+
+        async def wait() -> Answer:
+            try:
+                await self.replica.wait_caught_up(timeout_s=ask.timeout_ms / 1000.0)
+            except (TimeoutError, NexusKVError) as exc:
+                return Answer(VERSION, ask.id, f"not caught up: {exc}")
+            return Answer(VERSION, ask.id)
+
+        def done(future: concurrent.futures.Future[Answer]) -> None:
+            try:
+                answer = future.result()
+            except BaseException as exc:  # noqa: BLE001 - the replica's loop stopped meanwhile
+                answer = Answer(VERSION, ask.id, f"not caught up: {type(exc).__name__}")
+            conn.release(answer)
+
+        try:
+            future = asyncio.run_coroutine_threadsafe(wait(), home)
+        except RuntimeError:  # the replica's loop is closed
+            conn.release(Answer(VERSION, ask.id, "not caught up: stopping"))
+            return
+        future.add_done_callback(lambda f: _call_soon(loop, done, f))
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the ask loop is closed: the sidecar stopped
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _listening(path: Path) -> bool:
@@ -211,31 +483,24 @@ def _listening(path: Path) -> bool:
     return True
 
 
-async def _ready_when_caught_up(replica: IndexReplica) -> None:
-    """Ready once the replica applied the log as it was at start; then keep running (supervised)."""
-    await replica.wait_caught_up(timeout_s=86400.0)
-    HEALTH.set_ready("replica", True)
-    log.info("index sidecar: replica caught up (%d records)", replica.records)
-    await asyncio.Event().wait()
-
-
 async def _serve(settings: Settings, stop: Any) -> None:
     url = settings.broker_url
     assert url is not None
     path = settings.index_socket_path
-    HEALTH.set_ready("replica", False, "catching up with the log")
     replica = IndexReplica(url, secret=settings.identity_secret_bytes, max_memberships=settings.index_max_memberships,
                            checkpoint_dir=settings.data_dir / "index" / "nexuskv-index",
                            bus_secret=settings.bus_secret_bytes, client_id=f"nexuskv-index-sidecar-{settings.worker}")
+    HEALTH.set_ready("replica", False, "starting: lag unknown (no fetch yet)")
     await replica.start(timeout_s=settings.broker_start_timeout_s)
-    sidecar = IndexSidecar(replica, path)
+    sidecar = IndexSidecar(replica, path, AskLimits.from_settings(settings))
+    prefer_asks()
     supervisor = Supervisor("index-sidecar")
     assert replica.task is not None
     supervisor.watch(replica.task, name="index-replica")
     try:
         await sidecar.start()
         supervisor.spawn(sidecar.serve_forever(), name="socket-server")
-        supervisor.spawn(_ready_when_caught_up(replica), name="catch-up")
+        supervisor.spawn(report_readiness(replica), name="catch-up")
         HEALTH.set_ready("socket", True)
         freeze_startup_heap()
         await supervisor.until(stop)

@@ -29,7 +29,16 @@ Freshness, filled into every :class:`~nexuskv.lookup.LookupResult`:
   high watermark from the last fetch minus the next offset to apply);
 * ``lag_ms`` — 0 when caught up; otherwise, per lagging partition, now minus the timestamp of the
   last record applied from it (no later than the oldest unapplied one's, so it bounds how stale
-  the answer is), the largest over partitions; milliseconds of the caller's clock.
+  the answer is), the largest over partitions; milliseconds of the caller's clock. Infinite for
+  a partition behind that has had no record applied yet (how stale is then unknown).
+
+**Unknown until fetched.** Before a fetch of every partition has told the replica where the log
+ends, its lag is not known, and it never says 0: :meth:`IndexReplica.lag` answers ``(None, inf)``
+and lookups carry ``lag_ms`` = infinity with ``lag_events`` at least 1 (the records behind the
+end offsets read at start, a lower bound). *Caught up* (:meth:`IndexReplica.caught_up`,
+readiness) means applied up to :attr:`IndexReplica.start_offsets`, the end offsets read at
+start: :func:`report_readiness` keeps a service's ``/readyz`` at 503, with how far behind it is,
+until then.
 
 **Supervised.** The apply task is :attr:`IndexReplica.task`; a service watches it
 (:class:`streams.supervisor.Supervisor`). If it dies, :attr:`IndexReplica.failure` says why and
@@ -38,7 +47,10 @@ every lookup is a miss with infinite lag: a dead replica never answers from froz
 Lookups by token ids key them here, with at most :data:`KEYER_CACHE` keyers cached (one per
 scope and block size): a caller choosing block sizes cannot grow this process.
 
-Not thread-safe: call :meth:`lookup` from the event loop the replica runs in.
+Threads: :meth:`lookup`, :meth:`lookup_tokens` (the keyer cache is a dict under the GIL), :meth:`lag`
+and :meth:`caught_up` may be called from any thread (the node's sidecar answers asks on one of
+its own): the index's lookup is thread-safe and the freshness is computed from plain values the
+apply task writes. Everything else runs on the replica's event loop.
 """
 
 from __future__ import annotations
@@ -64,11 +76,12 @@ from nexuskv.identity import BlockKeyer, IdentityScope, digest_array
 from nexuskv.index import GlobalIndex
 from nexuskv.lookup import LookupResult
 from streams.bus.clients import make_consumer, retry_transient
+from streams.bus.health import HEALTH, Health
 from streams.bus.metrics import METRICS
 from streams.index_worker import apply_sliced, load_checkpoints
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
 
-__all__ = ["IndexReplica", "KEYER_CACHE", "FROM_ENV"]
+__all__ = ["IndexReplica", "KEYER_CACHE", "FROM_ENV", "report_readiness"]
 
 log = logging.getLogger("nexuskv.replica")
 KEYER_CACHE = 256
@@ -101,6 +114,8 @@ class IndexReplica:
         self.unrecoverable: dict[int, list[tuple[int, int]]] = {}
         self.failure: BaseException | None = None
         self._next: dict[int, int] = {}
+        #: The end offset of every partition when the replica started: caught up means applied to these.
+        self.start_offsets: dict[int, int] = {}
         self._last_ts_ms: dict[int, float] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
@@ -139,6 +154,8 @@ class IndexReplica:
             if firsts[tp] > start:
                 self._cannot_rebuild(tp.partition, start, firsts[tp], names)
             consumer.seek(tp, self._next[tp.partition])
+        ends = await consumer.end_offsets(self._tps)
+        self.start_offsets = {tp.partition: off for tp, off in ends.items()}
         self._task = asyncio.create_task(self._run(), name=f"{self.client_id}-apply")
         self._task.add_done_callback(self._ended)
 
@@ -214,28 +231,45 @@ class IndexReplica:
 
     # -- freshness and lookups -----------------------------------------------------------------------
 
-    def lag(self) -> tuple[int, float]:
-        """(records behind, milliseconds behind) as described in the module docstring."""
+    def lag(self) -> tuple[int | None, float]:
+        """(records behind, milliseconds behind) as described in the module docstring; ``(None, inf)``
+        while unknown (not started, or a partition not fetched yet)."""
+        behind, age, known = self._lag()
+        return (behind, age) if known else (None, math.inf)
+
+    def _lag(self) -> tuple[int, float, bool]:
+        """(records behind, at least; ms behind; whether every partition was fetched)."""
         consumer = self._consumer
         if consumer is None:
-            return 0, 0.0
+            return 0, math.inf, False
         if self.failure is not None:
-            return max(1, self._behind(consumer)), math.inf
-        behind, age = 0, 0.0
+            return max(1, self._behind(consumer)), math.inf, True
+        behind, age, known = 0, 0.0, True
         now_ms = self.clock() * 1000.0
         for tp in self._tps:
             high = consumer.highwater(tp)
-            if high is None:
-                continue
+            if high is None:  # no fetch yet: the end found at start is a lower bound
+                known = False
+                high = self.start_offsets.get(tp.partition, 0)
             gap = max(0, high - self._next[tp.partition])
             if gap:
                 behind += gap
-                age = max(age, now_ms - self._last_ts_ms.get(tp.partition, now_ms))
-        METRICS.consumer_lag.labels(self.client_id, self.topic.name).set(behind)
-        return behind, max(0.0, age)
+                last = self._last_ts_ms.get(tp.partition)  # none applied yet: how stale is unknown
+                age = max(age, math.inf if last is None else now_ms - last)
+        METRICS.consumer_lag.labels(self.client_id, self.topic.name).set(behind if known else math.nan)
+        return behind, (max(0.0, age) if known else math.inf), known
 
     def _behind(self, consumer: AIOKafkaConsumer) -> int:
         return sum(max(0, (consumer.highwater(tp) or 0) - self._next[tp.partition]) for tp in self._tps)
+
+    def caught_up(self) -> bool:
+        """Applied up to the end offsets found at start (:attr:`start_offsets`), and still applying."""
+        return (self._consumer is not None and self.failure is None
+                and all(self._next.get(p, 0) >= off for p, off in self.start_offsets.items()))
+
+    def behind_start(self) -> int:
+        """Records still to apply before :meth:`caught_up` (0 once it is)."""
+        return sum(max(0, off - self._next.get(p, 0)) for p, off in self.start_offsets.items())
 
     async def wait_caught_up(self, end_offsets: dict[int, int] | None = None, timeout_s: float = 60.0) -> None:
         """Wait until every partition is applied up to ``end_offsets`` (default: the high watermarks)."""
@@ -254,10 +288,11 @@ class IndexReplica:
             await asyncio.sleep(0.05)
 
     def _fresh(self, result: LookupResult) -> LookupResult:
+        events, ms, known = self._lag()
         if self.failure is not None:
-            events, _ms = self.lag()
             return LookupResult(num_blocks=result.num_blocks, matches=(), lag_events=events, lag_ms=math.inf)
-        events, ms = self.lag()
+        if not known:  # never "0 behind" before the replica knows where the log ends
+            return dataclasses.replace(result, lag_events=max(1, events), lag_ms=math.inf)
         if self._applying and not events:
             events = 1  # inside a batch: its first events are applied, the rest are not yet
         return dataclasses.replace(result, lag_events=events, lag_ms=ms) if events else result
@@ -280,3 +315,19 @@ class IndexReplica:
     def lookup_tokens(self, scope: IdentityScope, token_ids: Sequence[int] | np.ndarray, block_size: int) -> LookupResult:
         """As :meth:`lookup`, keying the full blocks of ``token_ids`` here (bounded keyer cache)."""
         return self.lookup(scope, digest_array(self.keyer(scope, block_size).digests(token_ids)))
+
+
+async def report_readiness(replica: IndexReplica, *, health: Health = HEALTH, interval_s: float = 0.5) -> None:
+    """Keep ``health``'s ``replica`` condition false, saying how far behind, until ``replica`` has applied
+    the log to the end offsets it found at start; then true, and keep running (a supervised task)."""
+    while not replica.caught_up():
+        if replica.failure is not None:
+            raise BrokerError(f"replica stopped applying: {replica.failure!r}")
+        behind, _ms = replica.lag()
+        seen = "lag unknown (no fetch yet)" if behind is None else f"{behind} records behind the log"
+        health.set_ready("replica", False, f"catching up: {replica.behind_start()} records to the log's end at "
+                                           f"start; {seen}")
+        await asyncio.sleep(interval_s)
+    health.set_ready("replica", True)
+    log.info("%s: caught up with the log found at start (%d records applied)", replica.client_id, replica.records)
+    await asyncio.Event().wait()

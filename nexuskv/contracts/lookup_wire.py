@@ -33,9 +33,9 @@ from nexuskv.errors import NexusKVError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import Extent, LocationMatch, LookupResult
 
-__all__ = ["VERSION", "OP_LOOKUP", "OP_SYNC", "MAX_FRAME", "MAX_KEYS", "WireScope", "Ask", "WireMatch", "Answer",
-           "WireError", "pack_keys", "frame", "encode_ask", "decode_ask", "encode_answer", "decode_answer",
-           "answer_of", "result_of", "scope_of", "wire_scope"]
+__all__ = ["VERSION", "OP_LOOKUP", "OP_SYNC", "MAX_FRAME", "MAX_KEYS", "ASK_OVERHEAD", "WireScope", "Ask", "WireMatch",
+           "Answer", "WireError", "ask_frame_limit", "pack_keys", "frame", "encode_ask", "decode_ask", "encode_answer",
+           "decode_answer", "answer_of", "result_of", "scope_of", "wire_scope"]
 
 VERSION = 1
 OP_LOOKUP = 1
@@ -43,6 +43,9 @@ OP_SYNC = 2
 MAX_KEYS = 1 << 16
 #: The largest frame either side accepts (a 65,536-key ask is 1 MiB; an answer is far smaller).
 MAX_FRAME = 4 << 20
+#: Room in an ask's frame beyond its keys: the array, the ints, the scope's strings (each at most
+#: a few hundred bytes once validated), the keys' bin header.
+ASK_OVERHEAD = 4096
 _LEN = struct.Struct(">I")
 _TIERS = {t.value: t for t in Tier}
 
@@ -121,15 +124,20 @@ def pack_keys(keys: Sequence[int] | np.ndarray | bytes) -> bytes:
     return b"".join([k.to_bytes(16, "big") for k in keys])
 
 
+def ask_frame_limit(max_keys: int) -> int:
+    """The largest ask body a server taking at most ``max_keys`` keys needs to read."""
+    return min(MAX_FRAME, 16 * max_keys + ASK_OVERHEAD)
+
+
 def frame(body: bytes) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def frame_length(header: bytes) -> int:
-    """The body length a 4-byte header announces; WireError beyond :data:`MAX_FRAME`."""
+def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
+    """The body length a 4-byte header announces; WireError beyond ``limit`` (:data:`MAX_FRAME`)."""
     (n,) = _LEN.unpack(header)
-    if n > MAX_FRAME:
-        raise WireError(f"a frame of {n} bytes is larger than {MAX_FRAME}")
+    if n > limit:
+        raise WireError(f"a frame of {n} bytes is larger than {limit}")
     return n
 
 

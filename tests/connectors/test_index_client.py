@@ -209,7 +209,6 @@ MALFORMED = {
     "a negative group": lambda ask: _answer(ask, matches=[WireMatch("w", "disk", -1, "w", 4)]),
     "an empty match": lambda ask: _answer(ask, matches=[WireMatch("w", "disk", 0, "w", 0)]),
     "a NaN lag": lambda ask: _answer(ask, lag_ms=math.nan),
-    "an error": lambda ask: _answer(ask, error="boom", matches=[]),
     "a frame too large": lambda ask: struct.pack(">I", 1 << 30),
     "a truncated answer": lambda ask: _answer(ask)[:9],
 }
@@ -231,6 +230,27 @@ def test_a_malformed_answer_is_a_counted_miss(sock_path, what):
         raw.close()
 
 
+def test_an_error_answer_is_a_refused_miss_and_a_refused_connection_backs_off(sock_path):
+    raw = RawServer(sock_path, lambda ask: _answer(ask, error="too_many_keys: no", matches=[]))
+    try:
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=5.0)
+        got = client.lookup(SCOPE, KEYS)
+        assert got.matches == () and math.isinf(got.lag_ms) and client.stats["refused"] == 1
+        assert client._sock is not None and client.stats["malformed"] == 0  # the ask was refused, not the stream
+        assert client.lookup(SCOPE, KEYS).matches == () and client.stats["refused"] == 2  # asked again: no backoff
+    finally:
+        raw.close()
+    sock_path.unlink()
+    raw = RawServer(sock_path, lambda ask: _answer(ask, id=0, error="connections: full", matches=[]))
+    try:
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=5.0)
+        assert client.lookup(SCOPE, KEYS).matches == () and client.stats["refused"] == 1
+        assert client._sock is None  # a refused connection is dropped, and the client backs off
+        assert client.lookup(SCOPE, KEYS).matches == () and client.stats["skipped"] == 1
+    finally:
+        raw.close()
+
+
 def test_a_well_formed_answer_from_the_same_raw_server_is_taken(sock_path):
     raw = RawServer(sock_path, _answer)
     try:
@@ -240,19 +260,29 @@ def test_a_well_formed_answer_from_the_same_raw_server_is_taken(sock_path):
         raw.close()
 
 
+def _refusal_then_closed(s: socket.socket) -> str:
+    """The error frame (id 0) a sidecar sends before it closes a connection, then the close."""
+    from nexuskv.contracts.lookup_wire import decode_answer
+
+    s.settimeout(2)
+    (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+    answer = decode_answer(s.recv(n, socket.MSG_WAITALL))
+    assert answer.id == 0 and answer.matches == []
+    assert s.recv(10) == b""  # closed
+    return answer.error
+
+
 def test_the_sidecar_closes_a_connection_that_sends_garbage_and_refuses_a_bad_scope(server):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(server.path))
         s.sendall(frame(b"garbage"))
-        s.settimeout(2)
-        assert s.recv(10) == b""  # closed
+        assert _refusal_then_closed(s).startswith("malformed: not an ask")
     assert server.sidecar.malformed == 1
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(server.path))
         s.sendall(struct.pack(">I", 1 << 31))
-        s.settimeout(2)
-        assert s.recv(10) == b""
-    assert server.sidecar.malformed == 2
+        assert _refusal_then_closed(s).startswith("frame_size: a frame of 2147483648 bytes")
+    assert server.sidecar.refusals == {"malformed": 1, "frame_size": 1}
     from nexuskv.contracts.lookup_wire import Ask, WireScope, decode_answer, encode_ask
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -261,7 +291,7 @@ def test_the_sidecar_closes_a_connection_that_sends_garbage_and_refuses_a_bad_sc
         s.settimeout(2)
         (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
         answer = decode_answer(s.recv(n, socket.MSG_WAITALL))
-    assert answer.id == 7 and answer.error.startswith("bad scope") and answer.matches == []
+    assert answer.id == 7 and answer.error.startswith("bad_scope") and answer.matches == []
     assert server.sidecar.errors == 1 and server.replica.asked == []
     client = IndexClient(server.path, budget_s=1.0)  # other connections are served as before
     assert client.lookup(SCOPE, KEYS) == _result(len(KEYS))

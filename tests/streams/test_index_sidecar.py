@@ -7,7 +7,10 @@
 * the service as ``nexuskv up`` runs it (``python -m streams.index_sidecar``, the session's
   ``index_sidecar``): ``/livez`` and ``/readyz``, a batch published on ``nexuskv.kv-events``
   answered to engines' asks from many threads; a SIGKILLed sidecar failing the ask closed, fast,
-  and a new one on its socket path answering the same client again.
+  and a new one on its socket path answering the same client again;
+* the service attacked (slowloris connections, a connection flood, oversized frames, asks beyond
+  the cap) while an engine keeps asking: every engine ask answered within its budget, every
+  refusal on ``/metrics`` by reason, the process alive and ready throughout.
 """
 
 from __future__ import annotations
@@ -119,6 +122,70 @@ async def test_the_sidecar_service_is_ready_and_answers_many_engine_threads(kafk
     for t in threads:
         await asyncio.to_thread(t.join)
     assert len(results) == 100 and all(r.matches == got.matches for r in results)
+
+
+def test_the_service_bounds_hostile_clients_while_an_engine_keeps_asking(kafka_url, tmp_path):
+    import socket
+    import struct
+    import urllib.request
+
+    from nexuskv.contracts.lookup_wire import OP_LOOKUP, VERSION, Ask, encode_ask, wire_scope
+    from tests.sidecar import start_sidecar
+
+    asyncio.run(topics_default(kafka_url))
+    sidecar = start_sidecar(kafka_url, tmp_path / "attacked", env={
+        "NEXUSKV_INDEX_MAX_CONNECTIONS": "24", "NEXUSKV_INDEX_FRAME_DEADLINE_MS": "300",
+        "NEXUSKV_INDEX_MAX_ASK_KEYS": "1024"})
+    try:
+        tenant = f"sidecar-attack-{uuid.uuid4().hex[:8]}"
+        tokens = [(i * 13) % 50_000 for i in range(16 * 6)]
+        batch, scope = _batch(tenant, tokens)
+        asyncio.run(produce(kafka_url, KV_EVENTS.name, encoded([batch])))
+        client = IndexClient(sidecar.socket, budget_s=0.5, backoff_s=0.0, max_keys=1024)
+        client.wait_caught_up(60)
+        keys = BlockKeyer(scope, 16).keys(tokens)
+        want = client.lookup(scope, keys).matches
+        assert want
+
+        def connect() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sidecar.socket))
+            return s
+
+        slow = [connect() for _ in range(10)]
+        for s in slow:  # a frame begun and never finished
+            s.sendall(encode_ask(Ask(VERSION, OP_LOOKUP, 1, wire_scope(scope), bytes(16 * 512)))[:100])
+        big = connect()
+        big.sendall(struct.pack(">I", 4 << 20))  # an ask's frame far beyond 1,024 keys
+        over = connect()
+        over.sendall(encode_ask(Ask(VERSION, OP_LOOKUP, 5, wire_scope(scope), bytes(16 * 1025))))
+        flood = []
+        for _ in range(40):  # more connections than the cap
+            try:
+                flood.append(connect())
+            except OSError:
+                break
+        answers = [client.lookup(scope, keys) for _ in range(50)]
+        time.sleep(0.5)  # past the frame deadline
+        answers += [client.lookup(scope, keys) for _ in range(50)]
+        assert all(a.matches == want for a in answers), client.stats
+        assert client.stats["timeouts"] == client.stats["refused"] == client.stats["unavailable"] == 0
+        assert client.lookup(scope, bytes(16 * 2000)).num_blocks == 2000 and client.stats["trimmed"] == 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+
+        def refused(reason: str) -> float:
+            line = next((x for x in metrics.splitlines()
+                         if x.startswith(f'nexuskv_index_ask_refusals_total{{reason="{reason}"}}')), None)
+            return float(line.split()[-1]) if line else 0.0
+
+        assert refused("frame_deadline") >= 10 and refused("connections") >= 1
+        assert refused("frame_size") == 1 and refused("too_many_keys") == 1
+        assert sidecar.process.alive() and sidecar.readyz()[0] == 200
+        for s in slow + flood + [big, over]:
+            s.close()
+    finally:
+        sidecar.stop()
 
 
 @pytest.mark.slow
