@@ -142,7 +142,8 @@ class FlopFit:
                   f"{rate / 1e9:.3g} GFLOP/s; prior {ASSUMED_MFU} x {self.gemm_flops_per_s / 1e9:.3g} GFLOP/s "
                   f"({self.rate_label}), corrected by {self.observations} observed prefills")
         return ComputeCost(model=self.spec.model, profile=profile, params=LinearCost((c0, a * inv_rate, b * inv_rate),
-                                                                                     cov3), source=source)
+                                                                                     cov3), source=source,
+                           observations=self.observations)
 
 
 @dataclass(slots=True)
@@ -172,7 +173,7 @@ class PagedLinkFit:
         label = (f"cold-start prior: {self.source.value}->{self.destination.value} fitted to {self.observations} copies "
                  f"timed on this worker, blocks of {self.block_bytes} bytes (per_page includes the bytes)")
         return LinkCost(profile=self.profile, source=self.source, destination=self.destination,
-                        params=LinearCost((latency, per_page, 0.0), cov3), label=label)
+                        params=LinearCost((latency, per_page, 0.0), cov3), label=label, observations=self.observations)
 
 
 def assumed_hardware(profile: str, *, prefill_chunk_tokens: int = 2048, lookup_s: float = 2e-4, sync_s: float = 5e-5,

@@ -8,7 +8,7 @@ from nexuskv.contracts.decisions import Action
 from nexuskv.cost import CostModel, LinkCost, compose_links
 from nexuskv.descriptor import Tier
 from nexuskv.lookup import LookupResult
-from nexuskv.planner.gate import choose, movement_refusal
+from nexuskv.planner.gate import choose, exploration_draw, explore, movement_refusal
 from nexuskv.planner.options import (
     Baseline,
     Candidate,
@@ -166,5 +166,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
         options.append(Option(_FULL_REUSE if u.source.tier is _GPU else _TRANSFER, u.source.worker, u.source,
                               reused_blocks=u.source.prefix, rejected=u.reason))
     winner = choose(options, base.worker, min_gain)
+    explored = False
+    if winner.action is _RECOMPUTE and settings.explore_share > 0 \
+            and exploration_draw(query.request_id) < settings.explore_share:
+        tried = explore(options, min_gain, settings.explore_max_observations)
+        if tried is not None:
+            winner, explored = tried, True
     return Plan(query, tuple(options), winner, base.worker, base.t_s, now, lookup.lag_events, lookup.lag_ms,
-                policy.tag, model.version, settings.max_alternatives, min_gain)
+                policy.tag, model.version, settings.max_alternatives, min_gain, explored)
