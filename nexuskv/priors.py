@@ -159,6 +159,10 @@ class PagedLinkFit:
     def __post_init__(self) -> None:
         self._fit = _Bayes2((0.0, 0.0), (_LINK_STD, _LINK_STD))
 
+    @property
+    def page_bytes(self) -> int:
+        return self.block_bytes
+
     def observe(self, pages: int, duration_s: float) -> None:
         if pages > 0:
             self._fit.update(1.0, float(pages), duration_s)
@@ -173,7 +177,8 @@ class PagedLinkFit:
         label = (f"cold-start prior: {self.source.value}->{self.destination.value} fitted to {self.observations} copies "
                  f"timed on this worker, blocks of {self.block_bytes} bytes (per_page includes the bytes)")
         return LinkCost(profile=self.profile, source=self.source, destination=self.destination,
-                        params=LinearCost((latency, per_page, 0.0), cov3), label=label, observations=self.observations)
+                        params=LinearCost((latency, per_page, 0.0), cov3), label=label, observations=self.observations,
+                        page_bytes=self.block_bytes)
 
 
 def assumed_hardware(profile: str, *, prefill_chunk_tokens: int = 2048, lookup_s: float = 2e-4, sync_s: float = 5e-5,
@@ -200,7 +205,7 @@ def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostMod
     hardware = dict(model.hardware)
     hardware.update({p: assumed_hardware(p) for p in missing})
     return CostModel(base=f"{model.base}+assumed-hardware({','.join(missing)})", hardware=hardware,
-                     compute=model.compute, links=model.links)
+                     compute=model.compute, links=model.links, sized_links=model.sized_links)
 
 
 def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
@@ -211,22 +216,32 @@ def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
     once something was loaded; a fleet planner without a read cost never plans the first load. The
     assumed read is labelled, carries no observations, and calibration's fit replaces it.
     """
-    links = dict(model.links)
+    links, sized = dict(model.links), dict(model.sized_links)
     added = []
     for p in sorted(profiles):
         for tier in (Tier.HOST, Tier.DISK):
             write = links.get((p, Tier.GPU, tier))
-            if (p, tier, Tier.GPU) in links or write is None or not write.observations:
-                continue
-            links[(p, tier, Tier.GPU)] = LinkCost(
-                p, tier, Tier.GPU, write.params, interference=write.interference,
-                label=f"assumed: the reverse of the measured gpu->{tier.value} link "
-                      f"({write.observations} observations)")
-            added.append(f"{p}:{tier.value}->gpu")
+            if (p, tier, Tier.GPU) not in links and write is not None and write.observations:
+                links[(p, tier, Tier.GPU)] = _reverse(write, tier)
+                added.append(f"{p}:{tier.value}->gpu")
+            # Writes fitted at one page size give reads assumed at that size only.
+            for (wp, src, dst, size), sized_write in sorted(model.sized_links.items(), key=lambda kv: kv[0][3]):
+                if wp != p or src is not Tier.GPU or dst is not tier or not sized_write.observations:
+                    continue
+                if (p, tier, Tier.GPU, size) in sized:
+                    continue
+                sized[(p, tier, Tier.GPU, size)] = _reverse(sized_write, tier)
+                added.append(f"{p}:{tier.value}->gpu@{size}B")
     if not added:
         return model
     return CostModel(base=f"{model.base}+assumed-reads({','.join(added)})", hardware=model.hardware,
-                     compute=model.compute, links=links)
+                     compute=model.compute, links=links, sized_links=sized)
+
+
+def _reverse(write: LinkCost, tier: Tier) -> LinkCost:
+    return LinkCost(write.profile, tier, Tier.GPU, write.params, interference=write.interference,
+                    label=f"assumed: the reverse of the measured gpu->{tier.value} link "
+                          f"({write.observations} observations)", page_bytes=write.page_bytes)
 
 
 class ColdStart:
@@ -281,6 +296,7 @@ class ColdStart:
             return self._cache[1]
         parts: list[str] = []
         hardware, compute, links = dict(model.hardware), dict(model.compute), dict(model.links)
+        sized = dict(model.sized_links)
         if self.profile not in hardware:
             hardware[self.profile] = self.hardware
             parts.append(f"hardware {self.profile}: assumed")
@@ -290,8 +306,8 @@ class ColdStart:
             parts.append(f"compute {self.spec.model}: FLOP prior at {self.compute.gemm_flops_per_s / 1e9:.3g} GFLOP/s "
                          f"GEMM + {self.compute.observations} prefills")
         for (src, dst), fit in sorted(self.links.items()):
-            if (self.profile, src, dst) not in links and fit.observations:
-                links[(self.profile, src, dst)] = fit.cost()
+            if model.link(self.profile, src, dst, fit.page_bytes) is None and fit.observations:
+                sized[(self.profile, src, dst, fit.page_bytes)] = fit.cost()
                 parts.append(f"{src.value}->{dst.value}: {fit.observations} copies")
         if (self.profile, Tier.GPU, Tier.GPU) not in links and self.profile not in model.hardware:
             links[(self.profile, Tier.GPU, Tier.GPU)] = LinkCost(
@@ -302,6 +318,7 @@ class ColdStart:
             out = model
         else:
             base = f"{model.base}+cold-start({self.profile}: {'; '.join(parts)})"
-            out = CostModel(base=base, hardware=hardware, compute=compute, links=links)  # version: base + fitted digest
+            out = CostModel(base=base, hardware=hardware, compute=compute, links=links,  # version: base + fitted digest
+                            sized_links=sized)
         self._cache = (state, out)
         return out
