@@ -64,6 +64,9 @@ class CostModelEntry(Contract):
     @model_validator(mode="after")
     def _covariance(self) -> CostModelEntry:
         for i in range(3):
+            if self.mean[i] < 0:  # every term is a cost: a fit publishes its non-negative projection
+                raise ValueError(f"mean: parameter {i} is negative ({self.mean[i]})")
+        for i in range(3):
             if self.cov[i][i] < 0:
                 raise ValueError(f"cov: variance {i} is negative")
             for j in range(i):
