@@ -43,7 +43,7 @@ the observed EG was positive.
 
 from __future__ import annotations
 
-__all__ = ["TABLES", "VIEWS", "REPLAY_VIEWS", "ALL_VIEWS"]
+__all__ = ["TABLES", "MIGRATIONS", "VIEWS", "REPLAY_VIEWS", "ALL_VIEWS"]
 
 TABLES: dict[str, str] = {
     "decisions": """
@@ -73,6 +73,7 @@ TABLES: dict[str, str] = {
             eg_std_s DOUBLE,
             eg_lower_s DOUBLE NOT NULL,            -- the conservative bound the gate used
             p_use DOUBLE,                          -- prefetch: P(ready in time and consumed)
+            explored BOOLEAN,                      -- taken by the exploration budget (lower bound <= min gain)
             reason VARCHAR NOT NULL,
             alternatives_json VARCHAR NOT NULL,    -- every option weighed, with its numbers
             alternatives_total INTEGER,
@@ -145,6 +146,11 @@ TABLES: dict[str, str] = {
             PRIMARY KEY (replay_id, run, request_id)
         )""",
 }
+
+#: Columns added after a table's first release, for decision stores created before them (idempotent).
+MIGRATIONS: tuple[str, ...] = (
+    "ALTER TABLE decisions ADD COLUMN IF NOT EXISTS explored BOOLEAN",
+)
 
 _OUTCOMES = """
 CREATE OR REPLACE VIEW request_outcomes AS

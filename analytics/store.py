@@ -23,7 +23,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from analytics.schema import ALL_VIEWS, TABLES
+from analytics.schema import ALL_VIEWS, MIGRATIONS, TABLES
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
 from nexuskv.contracts.transfers import TransferResult
@@ -64,7 +64,8 @@ def decision_row(d: Decision) -> dict[str, Any]:
         "lookup_s": d.terms.lookup_s, "queue_s": d.terms.queue_s, "transfer_s": d.terms.transfer_s,
         "overlap_s": d.terms.overlap_s, "restore_s": d.terms.restore_s, "sync_s": d.terms.sync_s,
         "interference_s": d.terms.interference_s, "t_cache_s": d.terms.total_s,
-        "eg_s": d.eg_s, "eg_std_s": d.eg_std_s, "eg_lower_s": d.eg_lower_s, "p_use": d.p_use, "reason": d.reason,
+        "eg_s": d.eg_s, "eg_std_s": d.eg_std_s, "eg_lower_s": d.eg_lower_s, "p_use": d.p_use, "explored": d.explored,
+        "reason": d.reason,
         "alternatives_json": json.dumps([a.model_dump(mode="json") for a in d.alternatives]),
         "alternatives_total": d.alternatives_total,
         "policy_version": d.policy_version, "cost_model_version": d.cost_model_version,
@@ -109,6 +110,8 @@ class DecisionStore:
         self._con = duckdb.connect(str(path))
         self._lock = threading.Lock()
         for ddl in TABLES.values():
+            self._con.execute(ddl)
+        for ddl in MIGRATIONS:
             self._con.execute(ddl)
         for ddl in ALL_VIEWS.values():
             self._con.execute(ddl)

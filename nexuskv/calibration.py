@@ -4,8 +4,12 @@ Both cost forms are linear in their parameters (:mod:`nexuskv.cost`), so one est
 
 * prefill observations fit ``T_compute(e, s) = c0 + c1*e + c2*e*s`` per (model, profile);
 * completed transfer observations fit ``latency + pages*per_page + bytes*seconds_per_byte`` per
-  (profile, source tier -> destination tier). A transfer observation names its worker, not a
-  profile: the profile is the one that worker's prefill observations named (else the default).
+  (profile, source tier -> destination tier, page size). A transfer observation names its worker,
+  not a profile: the profile is the one that worker's prefill observations named (else the
+  default). The page size (:func:`nexuskv.cost.page_bytes_of`, bytes per page of the copy) is in
+  the key because copies of one block size move pages and bytes in fixed proportion: such a fit
+  cannot tell a per-page cost from a per-byte one, so it holds at that block size only and is
+  never extrapolated to another (each size starts from the shipped, size-free prior).
 
 :class:`RecursiveFit` is recursive least squares with:
 
@@ -37,9 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit
+from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit, link_entry_id
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
-from nexuskv.cost import ComputeCost, CostModel, LinearCost, LinkCost, Vec3
+from nexuskv.cost import ComputeCost, CostModel, LinearCost, LinkCost, Vec3, page_bytes_of
 from nexuskv.descriptor import Tier
 
 __all__ = ["RecursiveFit", "FitKey", "Calibrator", "apply_entry", "COMPUTE_SCALE", "LINK_SCALE"]
@@ -190,13 +194,14 @@ class FitKey:
     model: str = ""
     source: Tier | None = None
     destination: Tier | None = None
+    page_bytes: int | None = None  # links: bytes of one copied page (the block size the fit holds for)
 
     @property
     def id(self) -> str:
         """The entry id on ``nexuskv.cost-models`` (:attr:`CostModelEntry.key`)."""
         if self.kind == "compute":
             return f"compute/{self.model}/{self.profile}"
-        return f"link/{self.profile}/{self.source.value}->{self.destination.value}"  # type: ignore[union-attr]
+        return link_entry_id(self.profile, self.source, self.destination, self.page_bytes)  # type: ignore[arg-type]
 
 
 class Calibrator:
@@ -236,7 +241,8 @@ class Calibrator:
             if not obs.ok or obs.bytes == 0:
                 return None  # a failed copy measures the failure, not the link
             profile = self.worker_profiles.get(obs.worker, self.default_profile)
-            key = FitKey("link", profile, source=obs.source_tier, destination=obs.destination_tier)
+            key = FitKey("link", profile, source=obs.source_tier, destination=obs.destination_tier,
+                         page_bytes=page_bytes_of(obs.bytes, obs.pages))
             self._fit(key).update((1.0, float(obs.pages), float(obs.bytes)), obs.duration_s)
             return key
         return None  # load observations describe workers, not costs
@@ -247,7 +253,8 @@ class Calibrator:
         if isinstance(fit, ComputeFit):
             key, scale = FitKey("compute", fit.profile, model=fit.model), COMPUTE_SCALE
         else:
-            key = FitKey("link", fit.profile, source=fit.source_tier, destination=fit.destination_tier)
+            key = FitKey("link", fit.profile, source=fit.source_tier, destination=fit.destination_tier,
+                         page_bytes=fit.page_bytes)
             scale = LINK_SCALE
         self.fits[key] = RecursiveFit.from_posterior(entry.mean, entry.cov, entry.residual_rel_std,
                                                      entry.observations, scale, forgetting=self.forgetting)
@@ -262,7 +269,8 @@ class Calibrator:
         if key.kind == "compute":
             what: ComputeFit | LinkFit = ComputeFit(model=key.model, profile=key.profile)
         else:
-            what = LinkFit(profile=key.profile, source_tier=key.source, destination_tier=key.destination)
+            what = LinkFit(profile=key.profile, source_tier=key.source, destination_tier=key.destination,
+                           page_bytes=key.page_bytes)
         return CostModelEntry(entry=what, mean=fit.mean, cov=fit.cov, residual_rel_std=fit.residual_rel_std,
                               observations=fit.observations, version=version, fitted_at=now, publisher=publisher,
                               method=METHOD.format(lam=fit.forgetting))
@@ -277,6 +285,8 @@ def apply_entry(model: CostModel, entry: CostModelEntry) -> CostModel:
     if isinstance(fit, ComputeFit):
         return model.with_compute(ComputeCost(model=fit.model, profile=fit.profile, params=params, source=label,
                                               observations=entry.observations, version=entry.version))
+    if fit.page_bytes is not None:
+        label += f", copies of {fit.page_bytes}-byte pages"
     return model.with_link(LinkCost(profile=fit.profile, source=fit.source_tier, destination=fit.destination_tier,
                                     params=params, label=label, observations=entry.observations,
-                                    version=entry.version))
+                                    version=entry.version, page_bytes=fit.page_bytes))

@@ -44,7 +44,9 @@ __all__ = [
     "CacheTerms",
     "CostModel",
     "LinkKey",
+    "SizedLinkKey",
     "ComputeKey",
+    "page_bytes_of",
     "compose_links",
     "extent_bytes",
     "extent_pages",
@@ -56,6 +58,7 @@ Vec3 = tuple[float, float, float]
 Mat3 = tuple[Vec3, Vec3, Vec3]
 ComputeKey = tuple[str, str]  # (model, hardware profile)
 LinkKey = tuple[str, Tier, Tier]  # (hardware profile, source tier, destination tier)
+SizedLinkKey = tuple[str, Tier, Tier, int]  # ... and the bytes of one copied page (the block size)
 
 _ZERO3: Mat3 = ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
 
@@ -131,6 +134,12 @@ class LinkCost:
     ``interference`` is the fraction of the transfer time charged to the consumer as
     interference (copy-engine, PCIe and memory-bandwidth contention; vLLM measured 5-32% for
     kernel-based copies).
+
+    ``page_bytes`` is the size of one copied page the cost was fitted at, or None for a cost valid at
+    any size (a shipped profile, whose bytes and pages terms were set apart). A fit from copies of
+    one block size cannot tell its per-page cost from its per-byte cost (the two grow in fixed
+    proportion), so it is valid only at that size: :meth:`CostModel.link` never hands it out for
+    another.
     """
 
     profile: str
@@ -141,10 +150,17 @@ class LinkCost:
     interference: float = 0.0
     observations: int = 0
     version: int = 0
+    page_bytes: int | None = None
 
     @property
     def key(self) -> LinkKey:
         return (self.profile, self.source, self.destination)
+
+    @property
+    def sized_key(self) -> SizedLinkKey | None:
+        if self.page_bytes is None:
+            return None
+        return (self.profile, self.source, self.destination, self.page_bytes)
 
     @property
     def name(self) -> str:
@@ -170,9 +186,42 @@ class LinkCost:
         return self.params.variance(1.0, pages, nbytes)
 
 
+def page_bytes_of(nbytes: int, pages: int) -> int | None:
+    """Bytes of one page of a copy of ``pages`` pages and ``nbytes`` bytes (None: no pages): the block
+    size a link fit is kept for, computed the same way from an observation and from a plan."""
+    if pages <= 0 or nbytes <= 0:
+        return None
+    return max(1, round(nbytes / pages))
+
+
+def _per_page_form(params: LinearCost, page_bytes: int) -> LinearCost:
+    """``params`` at one page size with the bytes term folded into the per-page one: ``(latency,
+    per_page + page_bytes * seconds_per_byte, 0)`` and its covariance ``J cov J'``. Predictions at that
+    size are unchanged; the parameters become the ones a fit at that size actually pins down."""
+    m, c, b = params.mean, params.cov, float(page_bytes)
+    c01 = c[0][1] + b * c[0][2]
+    c11 = c[1][1] + 2.0 * b * c[1][2] + b * b * c[2][2]
+    return LinearCost((m[0], m[1] + b * m[2], 0.0), ((c[0][0], c01, 0.0), (c01, c11, 0.0), (0.0, 0.0, 0.0)))
+
+
 def compose_links(first: LinkCost, second: LinkCost, *, profile: str, source: Tier, destination: Tier) -> LinkCost:
-    """Two hops pipelined: latencies and per-page costs add, the slower bandwidth bounds the flow."""
+    """Two hops pipelined: latencies and per-page costs add, the slower bandwidth bounds the flow.
+
+    When either hop was fitted at one page size (:attr:`LinkCost.page_bytes`), its per-page and
+    per-byte parameters are known only as a sum at that size, so the pipelining cannot be priced:
+    both hops are taken at that size in per-page form and added (serial, an upper bound), with
+    their covariances, and the composed link holds at that size only.
+    """
     a, b = first.params, second.params
+    size = first.page_bytes if first.page_bytes is not None else second.page_bytes
+    if size is not None:
+        pa, pb = _per_page_form(a, size), _per_page_form(b, size)
+        mean = (pa.mean[0] + pb.mean[0], pa.mean[1] + pb.mean[1], 0.0)
+        cov = tuple(tuple(pa.cov[i][j] + pb.cov[i][j] for j in range(3)) for i in range(3))
+        return LinkCost(profile=profile, source=source, destination=destination,
+                        params=LinearCost(mean, cov),  # type: ignore[arg-type]
+                        label=f"{first.label} then {second.label} (serial at {size}-byte pages)",
+                        interference=max(first.interference, second.interference), page_bytes=size)
     slow = a if a.mean[2] >= b.mean[2] else b
     mean = (a.mean[0] + b.mean[0], a.mean[1] + b.mean[1], slow.mean[2])
     cov = ((a.cov[0][0] + b.cov[0][0], 0.0, 0.0), (0.0, a.cov[1][1] + b.cov[1][1], 0.0), (0.0, 0.0, slow.cov[2][2]))
@@ -239,6 +288,8 @@ class CostModel:
 
     Immutable: :meth:`with_compute` and :meth:`with_link` return a new snapshot with a new version.
     ``base`` names the shipped profile set; ``version`` adds a digest of every fitted entry used.
+    ``links`` holds the costs valid at any page size, ``sized_links`` those fitted at one
+    (:attr:`LinkCost.page_bytes`); :meth:`link` picks.
     """
 
     base: str
@@ -246,11 +297,13 @@ class CostModel:
     compute: Mapping[ComputeKey, ComputeCost]
     links: Mapping[LinkKey, LinkCost]
     version: str = field(default="")
+    sized_links: Mapping[SizedLinkKey, LinkCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hardware", MappingProxyType(dict(self.hardware)))
         object.__setattr__(self, "compute", MappingProxyType(dict(self.compute)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        object.__setattr__(self, "sized_links", MappingProxyType(dict(self.sized_links)))
         if not self.version:
             object.__setattr__(self, "version", self._digest())
 
@@ -264,6 +317,8 @@ class CostModel:
         fitted = sorted(
             [f"c|{c.model}|{c.profile}|{c.version}" for c in self.compute.values() if c.observations]
             + [f"l|{k.profile}|{k.name}|{k.version}" for k in self.links.values() if k.observations]
+            + [f"l|{k.profile}|{k.name}|{k.page_bytes}B|{k.version}" for k in self.sized_links.values()
+               if k.observations]
         )
         if not fitted:
             return self.base
@@ -272,7 +327,13 @@ class CostModel:
     def compute_for(self, model: str, profile: str) -> ComputeCost | None:
         return self.compute.get((model, profile))
 
-    def link(self, profile: str, source: Tier, destination: Tier) -> LinkCost | None:
+    def link(self, profile: str, source: Tier, destination: Tier, page_bytes: int | None = None) -> LinkCost | None:
+        """The link's cost for copies of ``page_bytes`` pages: the one fitted at that size, else the one
+        valid at any size (never one fitted at another size). ``page_bytes`` None: the latter only."""
+        if page_bytes is not None:
+            sized = self.sized_links.get((profile, source, destination, page_bytes))
+            if sized is not None:
+                return sized
         return self.links.get((profile, source, destination))
 
     def with_compute(self, cost: ComputeCost) -> CostModel:
@@ -281,10 +342,15 @@ class CostModel:
         return replace(self, compute=merged, version="")
 
     def with_link(self, cost: LinkCost) -> CostModel:
-        merged = dict(self.links)
-        prior = merged.get(cost.key)
+        prior = self.link(cost.profile, cost.source, cost.destination, cost.page_bytes)
         if prior is not None and cost.interference == 0.0:
             cost = replace(cost, interference=prior.interference)  # observations do not measure it
+        sized_key = cost.sized_key
+        if sized_key is not None:
+            sized = dict(self.sized_links)
+            sized[sized_key] = cost
+            return replace(self, sized_links=sized, version="")
+        merged = dict(self.links)
         merged[cost.key] = cost
         return replace(self, links=merged, version="")
 

@@ -138,6 +138,12 @@ class PlannerSettings(Contract):
     max_alternatives: Annotated[int, Field(ge=1, le=256)] = 16
     prefetch: bool = True
     route_to_state: bool = True
+    # Exploration: an uncertain option whose expected EG is positive but whose lower bound is not
+    # may be taken by this share of decisions (drawn from the request id, deterministically), while
+    # the least-observed fit it rests on has fewer than explore_max_observations observations: a
+    # fit that is never acted upon is never observed, so without this an uncertain fit freezes.
+    explore_share: Annotated[float, Field(ge=0, le=0.5)] = 0.05
+    explore_max_observations: Annotated[int, Field(ge=0, le=100_000)] = 20
 
 
 class Fallback(Contract):

@@ -22,6 +22,14 @@ posterior's covariance maps to ``(c0, c1, c2)`` exactly (``c1`` and ``c2`` are p
 correlated), so the gate's ``EG - z*sd(EG)`` tightens as observations arrive: reuse starts after a
 few prefills, never on the guess alone. ``c0`` is kept non-negative (refit with ``c0 = 0``).
 
+**The GEMM rate, measured stably.** One timing of a small GEMM swung from 13.4 to 392 GFLOP/s
+between engine processes on one machine (thread start-up, frequency scaling, a neighbour's load).
+:class:`GemmProbe` takes repeated timings (the first ``warmup`` discarded), reports the median rate
+with its spread (interquartile range over the median, and max/min) and is *stable* only when the
+spread is within ``max_spread`` (:data:`MAX_GEMM_SPREAD`, 25%). :meth:`ColdStart.measured_probe`
+refuses an unstable probe (the reason is kept; a later probe may still be taken) rather than anchor
+the prior on a number that a second measurement would contradict.
+
 **Links.** ``T(pages) = latency + pages * per_page`` per (profile, source tier -> GPU):
 :class:`PagedLinkFit`, the same regression over ``(1, pages)`` from copies this worker timed
 (a read probe at start, then every load). The bandwidth term stays 0: the connector copies
@@ -38,14 +46,15 @@ Pure and deterministic: observations in, snapshots out; no clock, no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nexuskv.cost import ComputeCost, CostModel, HardwareProfile, LinearCost, LinkCost
 from nexuskv.descriptor import Tier
 from nexuskv.profiles import ModelSpec
 
-__all__ = ["ASSUMED_MFU", "RELATIVE_NOISE", "FlopFit", "PagedLinkFit", "ColdStart", "assumed_hardware",
-           "with_assumed_hardware", "with_assumed_reads"]
+__all__ = ["ASSUMED_MFU", "RELATIVE_NOISE", "MAX_GEMM_SPREAD", "GemmProbe", "FlopFit", "PagedLinkFit", "ColdStart",
+           "assumed_hardware", "with_assumed_hardware", "with_assumed_reads"]
 
 ASSUMED_MFU = 0.5  # as nexuskv.profiles assumes for one GPU
 RELATIVE_NOISE = 0.1  # one timing's relative error, as nexuskv.calibration assumes
@@ -53,7 +62,74 @@ _C0_STD = 5e-3  # seconds: the shipped profiles' c0 uncertainty
 _RATE_REL_STD = 1.0  # the measured GEMM rate says little about the model's achieved rate
 _LINK_STD = 1e-2  # seconds: vague prior of a link's latency and per-page cost
 
+MAX_GEMM_SPREAD = 0.25  # interquartile range over median of the probe's rates beyond which it is refused
 _Mat2 = tuple[tuple[float, float], tuple[float, float]]
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of already sorted values."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmProbe:
+    """A device's GEMM rate from repeated timings of one GEMM of ``flops`` FLOPs.
+
+    ``rate_flops_per_s`` is the median of the per-run rates; ``spread`` their interquartile range
+    over that median, ``max_over_min`` the ratio of the fastest to the slowest run; ``stable`` when
+    there were at least 3 runs and ``spread <= max_spread``.
+    """
+
+    rate_flops_per_s: float
+    spread: float
+    max_over_min: float
+    samples: int
+    max_spread: float
+    what: str
+
+    @classmethod
+    def of(cls, flops: float, durations_s: Sequence[float], *, warmup: int = 1, max_spread: float = MAX_GEMM_SPREAD,
+           what: str = "GEMM") -> GemmProbe:
+        """The probe of these timings (seconds per run), the first ``warmup`` discarded when more remain."""
+        if not flops > 0:
+            raise ValueError("flops must be positive")
+        kept = list(durations_s[warmup:]) if len(durations_s) > warmup + 2 else list(durations_s)
+        rates = sorted(flops / d for d in kept if d > 0 and math.isfinite(d))
+        if not rates:
+            return cls(0.0, math.inf, math.inf, 0, max_spread, what)
+        median = _quantile(rates, 0.5)
+        iqr = _quantile(rates, 0.75) - _quantile(rates, 0.25)
+        return cls(median, iqr / median, rates[-1] / rates[0], len(rates), max_spread, what)
+
+    @classmethod
+    def measure(cls, run: Callable[[], float], flops: float, *, repeats: int = 15, warmup: int = 2,
+                max_spread: float = MAX_GEMM_SPREAD, what: str = "GEMM") -> GemmProbe:
+        """Call ``run`` (one timed GEMM, returning its seconds) ``warmup + repeats`` times."""
+        if repeats < 3:
+            raise ValueError("repeats: at least 3 runs to bound a spread")
+        return cls.of(flops, [run() for _ in range(warmup + repeats)], warmup=warmup, max_spread=max_spread,
+                      what=what)
+
+    @property
+    def stable(self) -> bool:
+        return self.samples >= 3 and self.rate_flops_per_s > 0 and self.spread <= self.max_spread
+
+    @property
+    def label(self) -> str:
+        return (f"{self.what}: median of {self.samples} runs {self.rate_flops_per_s / 1e9:.3g} GFLOP/s, IQR "
+                f"{self.spread:.0%} of the median (bound {self.max_spread:.0%}), max/min {self.max_over_min:.2f}")
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the probe may not anchor a prior (None: it may)."""
+        if self.samples < 3:
+            return f"{self.what}: {self.samples} usable runs, at least 3 are needed to bound the spread"
+        if not self.stable:
+            return f"unstable GEMM probe refused: {self.label}"
+        return None
 
 
 class _Bayes2:
@@ -142,7 +218,8 @@ class FlopFit:
                   f"{rate / 1e9:.3g} GFLOP/s; prior {ASSUMED_MFU} x {self.gemm_flops_per_s / 1e9:.3g} GFLOP/s "
                   f"({self.rate_label}), corrected by {self.observations} observed prefills")
         return ComputeCost(model=self.spec.model, profile=profile, params=LinearCost((c0, a * inv_rate, b * inv_rate),
-                                                                                     cov3), source=source)
+                                                                                     cov3), source=source,
+                           observations=self.observations)
 
 
 @dataclass(slots=True)
@@ -158,6 +235,10 @@ class PagedLinkFit:
     def __post_init__(self) -> None:
         self._fit = _Bayes2((0.0, 0.0), (_LINK_STD, _LINK_STD))
 
+    @property
+    def page_bytes(self) -> int:
+        return self.block_bytes
+
     def observe(self, pages: int, duration_s: float) -> None:
         if pages > 0:
             self._fit.update(1.0, float(pages), duration_s)
@@ -172,7 +253,8 @@ class PagedLinkFit:
         label = (f"cold-start prior: {self.source.value}->{self.destination.value} fitted to {self.observations} copies "
                  f"timed on this worker, blocks of {self.block_bytes} bytes (per_page includes the bytes)")
         return LinkCost(profile=self.profile, source=self.source, destination=self.destination,
-                        params=LinearCost((latency, per_page, 0.0), cov3), label=label)
+                        params=LinearCost((latency, per_page, 0.0), cov3), label=label, observations=self.observations,
+                        page_bytes=self.block_bytes)
 
 
 def assumed_hardware(profile: str, *, prefill_chunk_tokens: int = 2048, lookup_s: float = 2e-4, sync_s: float = 5e-5,
@@ -199,7 +281,7 @@ def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostMod
     hardware = dict(model.hardware)
     hardware.update({p: assumed_hardware(p) for p in missing})
     return CostModel(base=f"{model.base}+assumed-hardware({','.join(missing)})", hardware=hardware,
-                     compute=model.compute, links=model.links)
+                     compute=model.compute, links=model.links, sized_links=model.sized_links)
 
 
 def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
@@ -210,22 +292,32 @@ def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
     once something was loaded; a fleet planner without a read cost never plans the first load. The
     assumed read is labelled, carries no observations, and calibration's fit replaces it.
     """
-    links = dict(model.links)
+    links, sized = dict(model.links), dict(model.sized_links)
     added = []
     for p in sorted(profiles):
         for tier in (Tier.HOST, Tier.DISK):
             write = links.get((p, Tier.GPU, tier))
-            if (p, tier, Tier.GPU) in links or write is None or not write.observations:
-                continue
-            links[(p, tier, Tier.GPU)] = LinkCost(
-                p, tier, Tier.GPU, write.params, interference=write.interference,
-                label=f"assumed: the reverse of the measured gpu->{tier.value} link "
-                      f"({write.observations} observations)")
-            added.append(f"{p}:{tier.value}->gpu")
+            if (p, tier, Tier.GPU) not in links and write is not None and write.observations:
+                links[(p, tier, Tier.GPU)] = _reverse(write, tier)
+                added.append(f"{p}:{tier.value}->gpu")
+            # Writes fitted at one page size give reads assumed at that size only.
+            for (wp, src, dst, size), sized_write in sorted(model.sized_links.items(), key=lambda kv: kv[0][3]):
+                if wp != p or src is not Tier.GPU or dst is not tier or not sized_write.observations:
+                    continue
+                if (p, tier, Tier.GPU, size) in sized:
+                    continue
+                sized[(p, tier, Tier.GPU, size)] = _reverse(sized_write, tier)
+                added.append(f"{p}:{tier.value}->gpu@{size}B")
     if not added:
         return model
     return CostModel(base=f"{model.base}+assumed-reads({','.join(added)})", hardware=model.hardware,
-                     compute=model.compute, links=links)
+                     compute=model.compute, links=links, sized_links=sized)
+
+
+def _reverse(write: LinkCost, tier: Tier) -> LinkCost:
+    return LinkCost(write.profile, tier, Tier.GPU, write.params, interference=write.interference,
+                    label=f"assumed: the reverse of the measured gpu->{tier.value} link "
+                          f"({write.observations} observations)", page_bytes=write.page_bytes)
 
 
 class ColdStart:
@@ -246,9 +338,23 @@ class ColdStart:
         self.links: dict[tuple[Tier, Tier], PagedLinkFit] = {}
         self._pending: list[tuple[int, int, float]] = []  # prefills seen before the GEMM rate
         self._cache: tuple[tuple, CostModel] | None = None
+        self.probes_refused: list[str] = []  # why each unstable GEMM probe was not taken
+
+    def measured_probe(self, probe: GemmProbe) -> bool:
+        """Anchor the compute prior on a repeated GEMM probe if its spread is within its bound; an
+        unstable probe is refused (its reason kept in :attr:`probes_refused`). True when taken."""
+        why = probe.refusal
+        if why is not None:
+            self.probes_refused.append(why)
+            return False
+        if self.compute is not None:
+            return False
+        self.measured_gemm(probe.rate_flops_per_s, probe.label)
+        return True
 
     def measured_gemm(self, flops_per_s: float, label: str) -> None:
-        """The device's GEMM rate (FLOP/s), measured on the worker: the compute prior's anchor."""
+        """The device's GEMM rate (FLOP/s), measured on the worker: the compute prior's anchor (a
+        single figure whose spread is unknown; :meth:`measured_probe` takes a repeated one)."""
         if self.compute is not None or not flops_per_s > 0:
             return
         self.compute = FlopFit(self.spec, flops_per_s, label)
@@ -280,6 +386,7 @@ class ColdStart:
             return self._cache[1]
         parts: list[str] = []
         hardware, compute, links = dict(model.hardware), dict(model.compute), dict(model.links)
+        sized = dict(model.sized_links)
         if self.profile not in hardware:
             hardware[self.profile] = self.hardware
             parts.append(f"hardware {self.profile}: assumed")
@@ -289,8 +396,8 @@ class ColdStart:
             parts.append(f"compute {self.spec.model}: FLOP prior at {self.compute.gemm_flops_per_s / 1e9:.3g} GFLOP/s "
                          f"GEMM + {self.compute.observations} prefills")
         for (src, dst), fit in sorted(self.links.items()):
-            if (self.profile, src, dst) not in links and fit.observations:
-                links[(self.profile, src, dst)] = fit.cost()
+            if model.link(self.profile, src, dst, fit.page_bytes) is None and fit.observations:
+                sized[(self.profile, src, dst, fit.page_bytes)] = fit.cost()
                 parts.append(f"{src.value}->{dst.value}: {fit.observations} copies")
         if (self.profile, Tier.GPU, Tier.GPU) not in links and self.profile not in model.hardware:
             links[(self.profile, Tier.GPU, Tier.GPU)] = LinkCost(
@@ -301,6 +408,7 @@ class ColdStart:
             out = model
         else:
             base = f"{model.base}+cold-start({self.profile}: {'; '.join(parts)})"
-            out = CostModel(base=base, hardware=hardware, compute=compute, links=links)  # version: base + fitted digest
+            out = CostModel(base=base, hardware=hardware, compute=compute, links=links,  # version: base + fitted digest
+                            sized_links=sized)
         self._cache = (state, out)
         return out

@@ -100,11 +100,19 @@ class WorkerReport:
     copies: tuple[CopyTiming, ...] = ()
     loads_done: tuple[str, ...] = ()  # requests whose loads ended, every block in place
     loads_failed: tuple[str, ...] = ()  # requests with blocks that failed to load (vLLM recomputes them)
+    # A repeated GEMM probe: FLOPs of one run and each run's seconds (nexuskv.priors.GemmProbe judges
+    # its spread); preferred to gemm_flops_per_s, a single figure whose spread is unknown.
+    gemm_flops: float | None = None
+    gemm_samples_s: tuple[float, ...] = ()
 
     def merged(self, other: WorkerReport) -> WorkerReport:
+        mine = bool(self.gemm_samples_s)
         return WorkerReport(self.gemm_flops_per_s or other.gemm_flops_per_s, self.gemm_label or other.gemm_label,
                             self.prefills + other.prefills, self.copies + other.copies,
-                            self.loads_done + other.loads_done, self.loads_failed + other.loads_failed)
+                            self.loads_done + other.loads_done, self.loads_failed + other.loads_failed,
+                            self.gemm_flops if mine else other.gemm_flops,
+                            self.gemm_samples_s if mine else other.gemm_samples_s)
 
     def __bool__(self) -> bool:
-        return bool(self.gemm_flops_per_s or self.prefills or self.copies or self.loads_done or self.loads_failed)
+        return bool(self.gemm_flops_per_s or self.gemm_samples_s or self.prefills or self.copies or self.loads_done
+                    or self.loads_failed)

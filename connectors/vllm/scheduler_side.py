@@ -58,7 +58,7 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LocationMatch, LookupResult
 from nexuskv.planner import Plan, PlanQuery, fallback_decision, plan
 from nexuskv.policy import ExecutionPolicy
-from nexuskv.priors import ColdStart
+from nexuskv.priors import ColdStart, GemmProbe
 
 __all__ = ["Probe", "Readable", "Scheduled", "SchedulerSide", "check_descriptor"]
 
@@ -395,7 +395,11 @@ class SchedulerSide:
         cold = self.cold_start
         if cold is None:
             return
-        if report.gemm_flops_per_s:
+        if report.gemm_samples_s and report.gemm_flops:
+            probe = GemmProbe.of(report.gemm_flops, report.gemm_samples_s, what=report.gemm_label or "GEMM")
+            if not cold.measured_probe(probe) and cold.probes_refused:
+                log.warning("%s: %s", self.worker, cold.probes_refused[-1])
+        elif report.gemm_flops_per_s:
             cold.measured_gemm(report.gemm_flops_per_s, report.gemm_label)
         for t in report.prefills:
             cold.observe_prefill(t.uncached, t.context, t.duration_s)

@@ -1,8 +1,11 @@
 """``nexuskv.cost-models``: fitted cost-model entries published by the calibration agent.
 
 Keyed by entry id (:attr:`CostModelEntry.key`): ``compute/<model>/<profile>`` for a
-``T_compute(e, s) = c0 + c1*e + c2*e*s`` fit, ``link/<profile>/<source>-><destination>`` for a
-``T_transfer = latency + pages*per_page + bytes*seconds_per_byte`` fit. Each record is the whole
+``T_compute(e, s) = c0 + c1*e + c2*e*s`` fit, ``link/<profile>/<source>-><destination>/<page
+bytes>B`` for a ``T_transfer = latency + pages*per_page + bytes*seconds_per_byte`` fit of copies
+whose pages were that many bytes (a fit of one block size is valid at that size only: its pages
+and bytes grow in fixed proportion; an entry without ``page_bytes``, as published before the
+field existed, is keyed without the suffix and taken as valid at any size). Each record is the whole
 posterior of one entry: the parameter mean (in that order), its covariance (seconds² per
 feature²), the residual standard deviation of one observation (relative to the prediction: the
 fit weights observations by their size), how many observations it has seen and a version that
@@ -21,7 +24,7 @@ from pydantic import Field, model_validator
 from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
-__all__ = ["SCHEMA_VERSION", "ComputeFit", "LinkFit", "CostModelEntry"]
+__all__ = ["SCHEMA_VERSION", "ComputeFit", "LinkFit", "CostModelEntry", "link_entry_id"]
 
 SCHEMA_VERSION = 1
 Text = Annotated[str, Field(min_length=1, max_length=512)]
@@ -40,6 +43,7 @@ class LinkFit(Contract):
     profile: Text
     source_tier: Tier
     destination_tier: Tier
+    page_bytes: Annotated[int, Field(ge=1)] | None = None  # bytes of one copied page the fit holds for
 
 
 Fit = Annotated[Union[ComputeFit, LinkFit], Field(discriminator="kind")]
@@ -60,6 +64,9 @@ class CostModelEntry(Contract):
     @model_validator(mode="after")
     def _covariance(self) -> CostModelEntry:
         for i in range(3):
+            if self.mean[i] < 0:  # every term is a cost: a fit publishes its non-negative projection
+                raise ValueError(f"mean: parameter {i} is negative ({self.mean[i]})")
+        for i in range(3):
             if self.cov[i][i] < 0:
                 raise ValueError(f"cov: variance {i} is negative")
             for j in range(i):
@@ -73,4 +80,10 @@ class CostModelEntry(Contract):
         e = self.entry
         if isinstance(e, ComputeFit):
             return f"compute/{e.model}/{e.profile}"
-        return f"link/{e.profile}/{e.source_tier.value}->{e.destination_tier.value}"
+        return link_entry_id(e.profile, e.source_tier, e.destination_tier, e.page_bytes)
+
+
+def link_entry_id(profile: str, source: Tier, destination: Tier, page_bytes: int | None) -> str:
+    """The entry id of a link fit (one spelling for the calibration agent and every reader)."""
+    base = f"link/{profile}/{source.value}->{destination.value}"
+    return base if page_bytes is None else f"{base}/{page_bytes}B"

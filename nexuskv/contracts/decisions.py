@@ -118,3 +118,6 @@ class Decision(Contract):
     index_lag_ms: Annotated[float, Field(ge=0)] = 0.0
     workload: Text | None = None
     trace_id: str | None = None
+    # The gate declined the chosen option as uncertain (lower bound <= min_gain) and the exploration
+    # budget took it anyway, so that the fit it rests on gets observed (nexuskv.planner.gate.explore).
+    explored: bool = False

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from nexuskv.contracts.decisions import Action
-from nexuskv.cost import CostModel, LinkCost, compose_links
+from nexuskv.cost import CostModel, LinkCost, compose_links, page_bytes_of
 from nexuskv.descriptor import Tier
 from nexuskv.lookup import LookupResult
-from nexuskv.planner.gate import choose, movement_refusal
+from nexuskv.planner.gate import choose, exploration_draw, explore, movement_refusal
 from nexuskv.planner.options import (
     Baseline,
     Candidate,
@@ -31,33 +31,37 @@ _GPU, _HOST, _DISK, _REMOTE, _OBJECT = Tier.GPU, Tier.HOST, Tier.DISK, Tier.REMO
 _RECOMPUTE, _TRANSFER, _FULL_REUSE = Action.RECOMPUTE, Action.TRANSFER, Action.FULL_REUSE
 
 
-# Resolved links per (cost-model snapshot, profile): a bounded memo of a pure function, keyed by the
-# snapshot's identity (the snapshot is held, so its id cannot be reused while the entry lives).
-_LINKS: dict[tuple[int, str, str], tuple[CostModel, Links]] = {}
+# Resolved links per (cost-model snapshot, profile, page size): a bounded memo of a pure function, keyed
+# by the snapshot's identity (the snapshot is held, so its id cannot be reused while the entry lives).
+_LINKS: dict[tuple[int, str, str, int | None], tuple[CostModel, Links]] = {}
 _LINKS_MAX = 256
 
 
-def _links(model: CostModel, profile: str, default_profile: str) -> Links:
-    key = (id(model), profile, default_profile)
+def _links(model: CostModel, profile: str, default_profile: str, page_bytes: int | None) -> Links:
+    key = (id(model), profile, default_profile, page_bytes)
     hit = _LINKS.get(key)
     if hit is not None and hit[0] is model:
         return hit[1]
-    links = _resolve_links(model, profile, default_profile)
+    links = _resolve_links(model, profile, default_profile, page_bytes)
     if len(_LINKS) >= _LINKS_MAX:
         _LINKS.clear()
     _LINKS[key] = (model, links)
     return links
 
 
-def _resolve_links(model: CostModel, profile: str, default_profile: str) -> Links:
-    get = model.links.get
-    network = get((profile, _REMOTE, _GPU))
-    read = get((default_profile, _DISK, _GPU))
+def _resolve_links(model: CostModel, profile: str, default_profile: str, page_bytes: int | None) -> Links:
+    """The destination profile's links for copies of ``page_bytes`` pages: a fit at that size, else a
+    size-free prior (:meth:`CostModel.link`), never a fit of another block size."""
+    def get(p: str, src: Tier, dst: Tier) -> LinkCost | None:
+        return model.link(p, src, dst, page_bytes)
+
+    network = get(profile, _REMOTE, _GPU)
+    read = get(default_profile, _DISK, _GPU)
     far_disk = None
     if network is not None and read is not None:
         far_disk = compose_links(read, network, profile=profile, source=_REMOTE, destination=_GPU)
-    by_tier = {t: get((profile, t, _GPU)) for t in (_HOST, _DISK, _REMOTE, _OBJECT)}
-    return Links(get((profile, _GPU, _GPU)), by_tier, network, far_disk)
+    by_tier = {t: get(profile, t, _GPU) for t in (_HOST, _DISK, _REMOTE, _OBJECT)}
+    return Links(get(profile, _GPU, _GPU), by_tier, network, far_disk)
 
 
 def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: ExecutionPolicy, *, now: float,
@@ -106,6 +110,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     target_ok = _GPU in policy.target_tiers
     restricted = lagging or not target_ok
     backends = policy.backend_table
+    page_bytes = page_bytes_of(shape.block_bytes, shape.pages_per_block)
     links_by_profile: dict[str, Links] = {}
     # Sources by how they reach a destination: a worker's own host and disk, and, ranked longest
     # first, every source another worker can copy from (memory and disk over the network, stores).
@@ -127,7 +132,7 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
         wid = w.load.worker
         links = links_by_profile.get(w.profile)
         if links is None:
-            links = links_by_profile[w.profile] = _links(model, w.profile, default_profile)
+            links = links_by_profile[w.profile] = _links(model, w.profile, default_profile, page_bytes)
         local = None
         for s in sources:
             if s.worker == wid and s.tier is _GPU:
@@ -166,5 +171,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
         options.append(Option(_FULL_REUSE if u.source.tier is _GPU else _TRANSFER, u.source.worker, u.source,
                               reused_blocks=u.source.prefix, rejected=u.reason))
     winner = choose(options, base.worker, min_gain)
+    explored = False
+    if winner.action is _RECOMPUTE and settings.explore_share > 0 \
+            and exploration_draw(query.request_id) < settings.explore_share:
+        tried = explore(options, min_gain, settings.explore_max_observations)
+        if tried is not None:
+            winner, explored = tried, True
     return Plan(query, tuple(options), winner, base.worker, base.t_s, now, lookup.lag_events, lookup.lag_ms,
-                policy.tag, model.version, settings.max_alternatives, min_gain)
+                policy.tag, model.version, settings.max_alternatives, min_gain, explored)

@@ -5,10 +5,20 @@ EG among those wins (ties: the cheaper action kind, then worker and source names
 baseline recompute. A movement is refused outright when GPU is not an allowed target, when the
 index lags past the policy's limit (no movement on facts that old) or when it would break a
 budget (:class:`~nexuskv.planner.Headroom`); the refusal is the option's recorded reason.
+
+Exploration (:func:`explore`): a gate that acts only on a positive lower bound freezes an uncertain
+fit, since no load runs and so the fit is never observed. When the gate chose the baseline
+recompute, a decision whose :func:`exploration_draw` (a hash of the request id: deterministic,
+uniform on [0, 1)) falls below the policy's ``explore_share`` takes instead the best option whose
+*expected* EG is positive although its lower bound is not, provided the least-observed fit that
+option rests on has fewer than ``explore_max_observations`` observations (the per-fit cap: once a
+fit has seen that many, its uncertainty is what it is and the gate alone decides). The decision
+record says it explored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -16,7 +26,7 @@ from nexuskv.contracts.decisions import Action
 from nexuskv.planner.options import Option
 from nexuskv.planner.query import Headroom
 
-__all__ = ["choose", "gate_reason", "movement_refusal", "rank"]
+__all__ = ["choose", "explorable", "explore", "exploration_draw", "gate_reason", "movement_refusal", "rank"]
 
 _RECOMPUTE = Action.RECOMPUTE
 _ACTION_ORDER = {a: i for i, a in enumerate(
@@ -54,6 +64,30 @@ def choose(options: Sequence[Option], baseline_worker: str, min_gain: float) -> 
     if winner is None:
         winner = next(o for o in options if o.action is _RECOMPUTE and o.worker == baseline_worker)
     return winner
+
+
+def exploration_draw(request_id: str) -> float:
+    """A uniform number in [0, 1) from the request id: the same request always draws the same."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"nexuskv-explore").digest()
+    return int.from_bytes(digest, "big") / 18446744073709551616.0  # 2**64
+
+
+def explorable(o: Option, min_gain: float, max_observations: int) -> bool:
+    """An option the gate declined only for its uncertainty: E[EG] above ``min_gain`` (and so > 0), its
+    lower bound not, and the least-observed fit it rests on below the per-fit cap."""
+    return (o.rejected is None and o.action is not _RECOMPUTE and o.eg_s is not None and o.eg_s > 0
+            and o.eg_s > min_gain
+            and o.eg_lower_s is not None and o.eg_lower_s <= min_gain
+            and o.fit_observations is not None and o.fit_observations < max_observations)
+
+
+def explore(options: Sequence[Option], min_gain: float, max_observations: int) -> Option | None:
+    """The option an exploring decision takes: the explorable one with the largest EG (None: none)."""
+    best = None
+    for o in options:
+        if explorable(o, min_gain, max_observations) and (best is None or rank(o) < rank(best)):
+            best = o
+    return best
 
 
 def gate_reason(opt: Option, chosen: Option, min_gain: float) -> str:

@@ -59,6 +59,9 @@ class Option(NamedTuple):
     p_use: float | None = None
     deadline_at: float | None = None
     rejected: str | None = None
+    # Observations of the least-observed fit this option's estimate rests on (compute, link): what
+    # the exploration budget's per-fit cap reads. None for an option that rests on no fit.
+    fit_observations: int | None = None
 
     @property
     def passes_gate(self) -> bool:
@@ -194,9 +197,12 @@ class ReuseInPlace:
         else:
             action = _FULL_REUSE if local.prefix == num_blocks else _PARTIAL_REUSE
             why = None
+        seen = w.compute.observations
+        if in_place is not None and in_place.observations < seen:
+            seen = in_place.observations
         return Option(action, wid, local, None, local.prefix, (), True, 0,
                       CacheTerms(hw.lookup_s, w.queue_s, 0.0, 0.0, restore, 0.0, 0.0),
-                      tail, ttft, eg, std, eg - req.z * std, None, None, why)
+                      tail, ttft, eg, std, eg - req.z * std, None, None, why, seen)
 
 
 class Prefetch:
@@ -287,6 +293,8 @@ class MoveOverLink:
             deadline = now + transfer + (gain if gain > 0 else 0.0)
         if slo is not None and slo < deadline:
             deadline = slo
+        seen = w.compute.observations
         return Option(action, wid, src, backend, prefix, moved, contiguous, nbytes,
                       CacheTerms(hw.lookup_s, queue_s, transfer, overlap, restore, hw.sync_s, interference),
-                      tail, ttft, eg, std, lower, p_use, deadline, None)
+                      tail, ttft, eg, std, lower, p_use, deadline, None,
+                      link.observations if link.observations < seen else seen)

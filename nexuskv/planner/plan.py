@@ -43,6 +43,7 @@ class Plan:
     cost_model_version: str
     max_alternatives: int
     min_gain_s: float
+    explored: bool = False  # the gate declined the chosen option as uncertain; the exploration budget took it
     _decision: Decision | None = None
     _carried_out: tuple[tuple[PlacementHint, ...], tuple[TransferCommand, ...]] | None = None
 
@@ -99,6 +100,9 @@ def _reason(p: Plan) -> str:
             f"{chosen.tail_s:.4f}s]")
     if chosen.p_use is not None:
         core += f"; prefetch: P_use {chosen.p_use:.3f}, E[G] = P_use*G - (1-P_use)*(transfer+pollution+interference)"
+    if p.explored:
+        return (f"exploration: {core}; lower bound {chosen.eg_lower_s:.4f}s <= {min_gain}s, taken to observe its "
+                f"least-observed fit ({chosen.fit_observations} observations)")
     return core + f"; lower bound {chosen.eg_lower_s:.4f}s > {min_gain}s"
 
 
@@ -125,5 +129,5 @@ def decision_of(p: Plan) -> Decision:
         p_use=chosen.p_use, reason=_reason(p), alternatives=alternatives, alternatives_total=len(p.options),
         policy_version=p.policy_version, cost_model_version=p.cost_model_version,
         index_lag_events=p.index_lag_events, index_lag_ms=p.index_lag_ms, workload=query.workload,
-        trace_id=query.trace_id,
+        trace_id=query.trace_id, explored=p.explored,
     )

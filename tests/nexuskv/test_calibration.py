@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +17,7 @@ from nexuskv.contracts.observations import (
     PrefillObservation,
     TransferObservation,
 )
+from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.contracts.topics import COST_MODELS
 from nexuskv.cost import ComputeCost, LinearCost, LinkCost
@@ -48,23 +51,27 @@ def _prefill(rng: random.Random, worker: str = "w-1", truth=TRUE_COMPUTE, profil
         model=MODEL_NAME, profile=profile, worker=worker, uncached_tokens=e, context_tokens=s, duration_s=y))
 
 
-def _transfer(rng: random.Random, tier: Tier, worker: str = "w-1", truth=None):
+PAGE_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
+
+
+def _transfer(rng: random.Random, tier: Tier, worker: str = "w-1", truth=None, page: int | None = None):
     lat, per_page, spb = truth or TRUE_LINKS[tier]
     pages = rng.randint(1, 5000)
-    nbytes = pages * rng.choice([16 << 10, 64 << 10, 256 << 10, 2 << 20])
+    nbytes = pages * (page or rng.choice(PAGE_SIZES))
     y = (lat + per_page * pages + spb * nbytes) * (1 + rng.gauss(0, NOISE))
     return ObservationRecord(observed_at=NOW, observation=TransferObservation(
         source_tier=tier, destination_tier=Tier.GPU, backend="b", worker=worker, bytes=nbytes, pages=pages,
         duration_s=y))
 
 
-def _calibrated(n: int = 3000, seed: int = 11) -> Calibrator:
+def _calibrated(n: int = 3000, seed: int = 11, page: int | None = None) -> Calibrator:
+    """Fits of ``n`` observations of each kind (transfers of one page size, else of all four)."""
     rng = random.Random(seed)
     cal = Calibrator(SHIPPED, default_profile=PROFILE)
     for _ in range(n):
         cal.observe(_prefill(rng))
         for tier in TRUE_LINKS:
-            cal.observe(_transfer(rng, tier))
+            cal.observe(_transfer(rng, tier, page=page))
     return cal
 
 
@@ -78,17 +85,26 @@ def test_fitted_parameters_come_within_5_percent_and_their_intervals_cover_the_t
         lo, hi = compute.interval(i, z=4.0)
         assert lo <= want <= hi
     for tier, truth in TRUE_LINKS.items():
-        fit = cal.fits[FitKey("link", PROFILE, source=tier, destination=Tier.GPU)]
-        for got, want in zip(fit.mean, truth):
-            assert got == pytest.approx(want, rel=0.05), (tier, got, want)
+        for size in PAGE_SIZES:
+            # One fit per block size: at one size pages and bytes move together, so the fit is judged
+            # by what it predicts at that size (its latency and its cost per page of that size).
+            fit = cal.fits[FitKey("link", PROFILE, source=tier, destination=Tier.GPU, page_bytes=size)]
+            cost = fit.cost()
+            for pages in (50, 500, 5000):  # the observed range (1..5000 pages, uniform)
+                want = truth[0] + truth[1] * pages + truth[2] * pages * size
+                got = cost.predict(1.0, pages, pages * size)
+                assert got == pytest.approx(want, rel=0.05), (tier, size, pages, got, want)
 
 
 def _true_model():
     model = SHIPPED.with_compute(ComputeCost(model=MODEL_NAME, profile=PROFILE, params=LinearCost(TRUE_COMPUTE),
                                              source="truth", observations=1, version=1))
     for tier, truth in TRUE_LINKS.items():
+        # The truth at the deployment's block size (2 MiB pages), as the fits are kept: links of one
+        # size compose serially (nexuskv.cost.compose_links), on both sides of the comparison.
         model = model.with_link(LinkCost(profile=PROFILE, source=tier, destination=Tier.GPU,
-                                         params=LinearCost(truth), label="truth", observations=1, version=1))
+                                         params=LinearCost(truth), label="truth", observations=1, version=1,
+                                         page_bytes=2 << 20))
     return model
 
 
@@ -104,7 +120,7 @@ def _scenarios():
 
 
 def test_the_planner_chooses_under_the_fitted_model_what_it_chooses_under_the_true_one():
-    cal = _calibrated()
+    cal = _calibrated(page=2 << 20)  # a deployment's copies are of its own block size (Llama-3.1-8B: 2 MiB)
     fitted = SHIPPED
     for key in cal.fits:
         fitted = apply_entry(fitted, cal.entry(key, now=NOW, publisher="test"))
@@ -127,8 +143,8 @@ def test_the_planner_chooses_under_the_fitted_model_what_it_chooses_under_the_tr
 def test_transfers_are_attributed_to_the_profile_their_worker_reported():
     cal = Calibrator(SHIPPED, default_profile=PROFILE)
     rng = random.Random(3)
-    assert cal.observe(_transfer(rng, Tier.HOST, worker="w-9")) == FitKey("link", PROFILE, source=Tier.HOST,
-                                                                          destination=Tier.GPU)
+    assert cal.observe(_transfer(rng, Tier.HOST, worker="w-9", page=4096)) == FitKey(
+        "link", PROFILE, source=Tier.HOST, destination=Tier.GPU, page_bytes=4096)
     cal.observe(_prefill(rng, worker="w-9", profile="h200x8-rdma8x400"))
     key = cal.observe(_transfer(rng, Tier.HOST, worker="w-9"))
     assert key.profile == "h200x8-rdma8x400"
@@ -209,10 +225,12 @@ def test_entries_are_versioned_contracts_that_the_planner_folds_in():
     assert model.version != SHIPPED.version
     fitted = model.compute_for(MODEL_NAME, PROFILE)
     assert fitted.params.mean == two.mean and fitted.observations == 300 and "fitted" in fitted.source
-    link_key = FitKey("link", PROFILE, source=Tier.DISK, destination=Tier.GPU)
-    with_link = apply_entry(model, cal.entry(link_key, now=NOW, publisher="cal-0"))
-    assert with_link.link(PROFILE, Tier.DISK, Tier.GPU).interference == SHIPPED.link(PROFILE, Tier.DISK,
-                                                                                      Tier.GPU).interference
+    link_key = FitKey("link", PROFILE, source=Tier.DISK, destination=Tier.GPU, page_bytes=2 << 20)
+    link_entry = cal.entry(link_key, now=NOW, publisher="cal-0")
+    assert link_entry.key == f"link/{PROFILE}/disk->gpu/{2 << 20}B" and link_entry.entry.page_bytes == 2 << 20
+    with_link = apply_entry(model, link_entry)
+    assert with_link.link(PROFILE, Tier.DISK, Tier.GPU, 2 << 20).interference == SHIPPED.link(PROFILE, Tier.DISK,
+                                                                                               Tier.GPU).interference
     d = known_model(MODEL_NAME, tenant_namespace="cal")
     q = query(d, 4096, [WorkerLoad(worker="w-1", profile=PROFILE)])
     assert plan(q, lookup(len(q.keys)), with_link, ExecutionPolicy(version="v"),
@@ -263,3 +281,54 @@ def test_a_fit_from_a_zero_overhead_prior_finds_a_positive_overhead():
         fit.update((1.0, float(e), float(e * e)), y)
     for got, want in zip(fit.mean, truth):
         assert got == pytest.approx(want, rel=0.15)
+
+
+# -- fits per block size ------------------------------------------------------------------------------
+
+def test_link_fits_are_kept_per_page_size_and_never_lent_to_another():
+    """Copies of 16 KiB pages fit one entry, of 2 MiB another; a third size gets the size-free prior."""
+    rng = random.Random(5)
+    cal = Calibrator(SHIPPED, default_profile=PROFILE)
+    keys = {cal.observe(_transfer(rng, Tier.DISK, page=size)) for size in (16 << 10, 2 << 20) for _ in range(200)}
+    assert {k.page_bytes for k in keys} == {16 << 10, 2 << 20}
+    model = SHIPPED
+    for key in keys:
+        model = apply_entry(model, cal.entry(key, now=NOW, publisher="t"))
+    small, big = model.link(PROFILE, Tier.DISK, Tier.GPU, 16 << 10), model.link(PROFILE, Tier.DISK, Tier.GPU, 2 << 20)
+    assert small.observations == big.observations == 200 and small.page_bytes == 16 << 10
+    assert small.params.mean != big.params.mean
+    prior = SHIPPED.link(PROFILE, Tier.DISK, Tier.GPU)
+    assert model.link(PROFILE, Tier.DISK, Tier.GPU, 64 << 10) is prior  # never extrapolated from another size
+    assert model.link(PROFILE, Tier.DISK, Tier.GPU) is prior
+    assert model.version != SHIPPED.version
+
+
+def test_the_planner_prices_a_load_with_the_fit_of_its_own_block_size():
+    """Llama-3.1-8B's 16-token blocks are 2 MiB pages: a fit of 2 MiB copies prices its loads, and a fit of
+    another size, however slow, does not."""
+    d = known_model(MODEL_NAME, tenant_namespace="cal")
+    q = query(d, 16384, [WorkerLoad(worker="w-1", profile=PROFILE)])
+    nb = len(q.keys)
+    lk = lookup(nb, match("w-1", "disk", nb))
+    policy = ExecutionPolicy(version="v")
+    shipped = plan(q, lk, SHIPPED, policy, now=NOW).decision
+    slow = LinkCost(profile=PROFILE, source=Tier.DISK, destination=Tier.GPU, params=LinearCost((1.0, 1.0, 0.0)),
+                    label="slow", observations=500, version=1, page_bytes=16 << 10)
+    other_size = plan(q, lk, SHIPPED.with_link(slow), policy, now=NOW).decision
+    assert other_size.action is shipped.action and other_size.t_with_reuse_s == shipped.t_with_reuse_s
+    own_size = plan(q, lk, SHIPPED.with_link(replace(slow, page_bytes=2 << 20)), policy, now=NOW).decision
+    assert own_size.action is Action.RECOMPUTE
+    load = next(a for a in own_size.alternatives if a.action in (Action.TRANSFER, Action.PREFETCH))
+    assert load.terms.transfer_s == pytest.approx(1.0 + load.reused_blocks)  # 1 s + 1 s per page: the 2 MiB fit
+
+
+def test_an_entry_published_before_page_sizes_existed_still_applies_at_any_size():
+    cal = _calibrated(n=50, page=2 << 20)
+    entry = cal.entry(FitKey("link", PROFILE, source=Tier.HOST, destination=Tier.GPU, page_bytes=2 << 20), now=NOW,
+                      publisher="t")
+    raw = entry.model_dump(mode="json")
+    del raw["entry"]["page_bytes"]
+    legacy = decode(COST_MODELS, json.dumps(raw).encode())
+    assert legacy.key == f"link/{PROFILE}/host->gpu"
+    model = apply_entry(SHIPPED, legacy)
+    assert model.link(PROFILE, Tier.HOST, Tier.GPU, 4096).observations == 50

@@ -22,7 +22,7 @@ from nexuskv.identity import IdentityScope, block_keys
 from nexuskv.lookup import LocationMatch, LookupResult
 from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy, PlannerSettings
-from nexuskv.priors import ColdStart, FlopFit, PagedLinkFit, with_assumed_reads
+from nexuskv.priors import MAX_GEMM_SPREAD, ColdStart, FlopFit, GemmProbe, PagedLinkFit, with_assumed_reads
 from nexuskv.profiles import ModelSpec, shipped_cost_model
 
 from tests.factories import descriptor
@@ -127,3 +127,46 @@ def test_a_read_is_assumed_from_the_measured_write_until_it_is_measured():
     unmeasured = CostModel.build("b", [], [], [LinkCost("cpu", Tier.GPU, Tier.DISK, LinearCost((1.0, 0, 0)),
                                                         label="prior")])
     assert with_assumed_reads(unmeasured, frozenset({"cpu"})).link("cpu", Tier.DISK, Tier.GPU) is None
+
+
+# -- the GEMM probe, repeated and bounded ---------------------------------------------------------------
+
+def test_a_repeated_probe_reports_its_median_and_spread():
+    flops = 2.0 * 512 * 512 * 1536
+    runs = [0.5] + [flops / r for r in (100e9, 98e9, 102e9, 101e9, 99e9, 100e9, 97e9, 103e9)]  # a slow first run
+    probe = GemmProbe.of(flops, runs, warmup=1)
+    assert probe.samples == 8  # the warm-up run is dropped
+    assert probe.rate_flops_per_s == pytest.approx(100e9, rel=0.01)
+    assert probe.spread < 0.05 and probe.max_over_min == pytest.approx(103 / 97, rel=1e-6)
+    assert probe.stable and probe.refusal is None
+    assert "median of 8 runs 100 GFLOP/s" in probe.label and "IQR" in probe.label
+
+
+def test_a_probe_that_swings_as_measured_between_engines_is_refused_and_reported():
+    """13.4 to 392 GFLOP/s, the swing the issue measured between two engine processes on one machine."""
+    flops = 1e9
+    rates = (13.4e9, 392e9, 40e9, 300e9, 20e9, 250e9, 100e9)
+    probe = GemmProbe.of(flops, [flops / r for r in rates], warmup=0)
+    assert not probe.stable and probe.spread > MAX_GEMM_SPREAD
+    assert probe.max_over_min == pytest.approx(392 / 13.4, rel=1e-6)
+    cold = ColdStart(SPEC, PROFILE, block_bytes=16384, prefill_chunk_tokens=4096)
+    assert not cold.measured_probe(probe)
+    assert cold.compute is None and "unstable GEMM probe refused" in cold.probes_refused[0]
+    # A later, stable probe anchors the prior, and its label says how it was measured.
+    steady = GemmProbe.of(flops, [flops / r for r in (50e9, 51e9, 49e9, 50e9, 50.5e9)], warmup=0)
+    assert cold.measured_probe(steady)
+    assert cold.compute is not None and cold.compute.gemm_flops_per_s == pytest.approx(50e9, rel=0.01)
+    assert "median of 5 runs" in cold.compute.rate_label
+
+
+def test_too_few_runs_cannot_bound_a_spread():
+    probe = GemmProbe.of(1e9, [0.01, 0.01], warmup=0)
+    assert not probe.stable and "at least 3" in probe.refusal
+    with pytest.raises(ValueError):
+        GemmProbe.measure(lambda: 0.01, 1e9, repeats=2)
+
+
+def test_measure_runs_the_probe_and_drops_the_warm_up():
+    timings = iter([1.0, 1.0] + [0.01] * 15)
+    probe = GemmProbe.measure(lambda: next(timings), 1e9, repeats=15, warmup=2)
+    assert probe.samples == 15 and probe.rate_flops_per_s == pytest.approx(100e9) and probe.spread == 0.0
