@@ -23,7 +23,9 @@ Keys of ``kv_connector_extra_config``:
 * ``profile`` — this worker's hardware profile in the cost model (default: the policy's default
   profile on a GPU, ``vllm-cpu`` on vLLM's CPU platform);
 * ``decide_wait_ms`` — how long a request may wait for a lagging index before the planner
-  decides with what it has (50).
+  decides with what it has (50);
+* ``save_queue_mib`` — host memory for blocks copied out of the paged KV and not yet written by
+  the worker's writer thread (256); a save that does not fit is dropped and counted, never waited for.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from nexuskv.profiles import ModelSpec
 __all__ = ["CPU_PROFILE", "KvCacheShape", "ConnectorConfig"]
 
 CPU_PROFILE = "vllm-cpu"
-_KEYS = frozenset({"worker", "tenant", "model", "descriptor", "save_tier", "load_async", "profile", "decide_wait_ms"})
+_KEYS = frozenset({"worker", "tenant", "model", "descriptor", "save_tier", "load_async", "profile", "decide_wait_ms",
+                   "save_queue_mib"})
 _SAVE_TIERS = {"disk": Tier.DISK, "remote": Tier.REMOTE, "none": None}
 
 
@@ -68,6 +71,7 @@ class ConnectorConfig:
     profile: str | None = None
     decide_wait_s: float = 0.05
     prefill_chunk_tokens: int = 2048
+    save_queue_bytes: int = 256 << 20
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, *, model: str, block_size: int,
@@ -113,10 +117,13 @@ class ConnectorConfig:
         profile = extra.get("profile", default_profile)
         if profile is not None and (not isinstance(profile, str) or not profile):
             raise ConfigError("kv_connector_extra_config.profile", "a hardware profile name")
+        queue_mib = extra.get("save_queue_mib", 256)
+        if isinstance(queue_mib, bool) or not isinstance(queue_mib, (int, float)) or queue_mib <= 0:
+            raise ConfigError("kv_connector_extra_config.save_queue_mib", "a number of MiB > 0")
         spec = model_spec_from_hf_config(hf_config, model=descriptor.model) if hf_config is not None else None
         return cls(worker=str(worker), descriptor=descriptor, model_spec=spec, save_tier=_SAVE_TIERS[tier_name],
                    load_async=load_async, profile=profile, decide_wait_s=float(wait_ms) / 1000.0,
-                   prefill_chunk_tokens=prefill_chunk_tokens)
+                   prefill_chunk_tokens=prefill_chunk_tokens, save_queue_bytes=int(queue_mib * (1 << 20)))
 
 
 def _worker_from_topic(topic: str, dp_rank: int) -> str | None:

@@ -119,7 +119,9 @@ class NexusKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler, self._bus = build_scheduler_side(self._config)
         else:
-            self._worker, self._producer = build_worker_side(self._config)
+            # vLLM 0.32 calls wait_for_layer_load before every attention layer of a step with
+            # connector metadata (vllm/model_executor/layers/attention/kv_transfer_utils.py).
+            self._worker, self._producer = build_worker_side(self._config, layerwise=True)
         log.info("NexusKV connector (%s) for %s as %s: descriptor %s, save tier %s", role.name,
                  self._config.descriptor.model, self._config.worker, self._config.descriptor.descriptor_id,
                  self._config.save_tier.value if self._config.save_tier else "none")
@@ -197,7 +199,7 @@ class NexusKVConnector(KVConnectorBase_V1):
         self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # blocks are copied out whole, after the forward pass, in wait_for_save
+        return None  # blocks are copied out whole, in one gather per layer, after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata().meta)
@@ -215,8 +217,7 @@ class NexusKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.flush()
-            self._worker.close()
+            self._worker.close()  # drains the save queue (bounded), counts what it could not write
         for client in (self._producer, self._bus):
             if client is not None:
                 client.stop()

@@ -99,9 +99,12 @@ def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None =
     return side, bus
 
 
-def build_worker_side(config: ConnectorConfig, *, settings: Settings | None = None,
-                      measure: bool = True) -> tuple[WorkerSide, BackgroundProducer]:
-    """The worker side over this worker's disk (and remote) tier, its save tier's publisher started."""
+def build_worker_side(config: ConnectorConfig, *, settings: Settings | None = None, measure: bool = True,
+                      layerwise: bool = False) -> tuple[WorkerSide, BackgroundProducer]:
+    """The worker side over this worker's disk (and remote) tier, its save tier's publisher started.
+
+    ``layerwise``: the engine calls ``wait_for_layer_load`` before each attention layer (vLLM does),
+    so synchronous loads are put in place layer by layer (see :mod:`connectors.vllm.worker_side`)."""
     from nexuskv.dataplane.catalog import BackendCatalog
     from nexuskv.dataplane.disk import DiskBackend
     from nexuskv.dataplane.remote import RemoteBackend
@@ -131,7 +134,8 @@ def build_worker_side(config: ConnectorConfig, *, settings: Settings | None = No
         policy = PolicyFile(settings.policy_file).current if settings.policy_file else ExecutionPolicy(version="builtin")
         profile = config.profile or policy.planner.default_hardware_profile
         worker = WorkerSide(config.descriptor, catalog, held=held, publisher=publisher,
-                            observe=lambda record: producer.send(record), profile=profile, measure=measure)
+                            observe=lambda record: producer.send(record), profile=profile, measure=measure,
+                            layerwise=layerwise, save_queue_bytes=config.save_queue_bytes)
     except Exception:
         producer.stop()
         raise

@@ -11,22 +11,34 @@ bytes in every registered layer, in layer order. The registered tensors must hav
 descriptor names (:func:`layout_of`): a cache laid out otherwise is refused at registration, so
 payloads of one layout are never read into another.
 
-**Loads.** Each payload is read into host memory, verified and scattered into the paged KV; the
-first block that is missing, corrupt or of another descriptor ends that request's load, and it and
-every later block of the request are reported by ``block_ids_with_load_errors`` — vLLM then
+**Loads.** The byte moving is :class:`~nexuskv.dataplane.batch_copy.PagedKV`'s: ``start_load``
+hands each load to a worker thread, which reads its payloads into host memory and verifies them
+(the first block that is missing, corrupt or of another descriptor ends that request's load, and
+it and every later block of the request are reported by ``block_ids_with_load_errors`` — vLLM then
 recomputes them (``kv_load_failure_policy="recompute"``) — and, when the tier is this worker's own,
-its publisher announces them removed. Synchronous loads finish inside ``start_load`` (vLLM calls
-it before the forward pass of a step with synchronous loads); asynchronous ones are reported by
-``get_finished``.
+its publisher announces them removed), then lays them out layer-major. Synchronous loads are put
+in place by one batched scatter per layer: with ``layerwise`` (what the vLLM shell sets: vLLM calls
+``wait_for_layer_load`` before each attention layer) layer by layer, as the forward pass reaches
+it — on CUDA the engine's stream then waits only for that layer's copy, so later layers' copies
+overlap earlier layers' compute; otherwise all at once before ``start_load`` returns. A load with a
+layer vLLM never waited for is reported as load errors (it was not in place when the layer ran).
+Asynchronous loads are put in place on their worker thread and reported by ``get_finished``.
 
 **Saves.** ``wait_for_save`` (after the step's forward pass) copies the step's filled blocks out
-of the paged KV into host memory at once — vLLM may reuse a block as soon as its request ends —
-and a worker thread saves them through the worker's
-:class:`~nexuskv.dataplane.tiers.TierManager`, the capacity authority of its disk tier: a full
-tier makes room by utility (this worker's least valuable blocks leave, prefix parents after the
-blocks chained from them) and refuses only what is worth less than everything it would
-displace; a refusal is counted (``blocks_refused``) and logged once per save, never silent. What
-the manager admits or evicts, the tier's
+of the paged KV at once — vLLM may reuse a block as soon as its request ends — in one batched
+gather per layer into a host buffer (pinned, on a side stream that the engine's stream waits for
+before its next kernels, where CUDA is present), and queues them for the writer thread. The queue
+is bounded (``save_queue_bytes`` of copied-out blocks): a save that does not fit is dropped,
+counted (``saves_dropped``, ``blocks_dropped``, and ``nexuskv_transfer_outcomes{status=
+"save_dropped"}``), logged, and never waited for — the step never blocks on a write. The writer
+thread (one, so a request's saves are written in order) makes the payloads, checksums and writes
+them through the worker's :class:`~nexuskv.dataplane.tiers.TierManager`, and only what it wrote is
+announced: a save queued, or dropped, is never announced. ``close`` drains the queue (bounded in
+time) and counts what it could not write as dropped. The tier manager is the capacity authority of
+the disk tier: a full tier makes room by utility (this worker's least valuable blocks leave, prefix
+parents after the blocks chained from them) and refuses only what is worth less than everything it
+would displace; a refusal is counted (``blocks_refused``) and logged once per save, never silent.
+What the manager admits or evicts, the tier's
 :class:`~connectors.vllm.tier_publisher.TierPublisher` announces (manifest and all; its snapshot
 at start is what the manager adopts). A block the tier already holds is neither written nor
 announced again; one the manager believed held but the tier lost is forgotten, then written.
@@ -47,13 +59,14 @@ Only block-granular attention state is moved (see
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,7 +76,8 @@ from connectors.vllm.meta import ConnectorMeta, CopyTiming, LoadSpec, PrefillTim
 from connectors.vllm.scheduler_side import check_descriptor
 from connectors.vllm.tier_publisher import TierBlock, TierPublisher
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
-from nexuskv.dataplane.backend import host_view
+from nexuskv.dataplane.backend import BufferPool, host_view
+from nexuskv.dataplane.batch_copy import Gathered, PagedKV, PagedLayer, Scatter
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
 from nexuskv.dataplane.tier_facts import BlockIdentity, TierChange
@@ -71,6 +85,7 @@ from nexuskv.dataplane.tiers import SaveBlock, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ConfigError, DataPlaneError, TierUnavailableError
+from streams.bus.metrics import METRICS
 
 __all__ = ["WorkerSide", "layout_of", "block_dims", "catalog_probe", "tier_held"]
 
@@ -131,15 +146,6 @@ def catalog_probe(catalog: BackendCatalog) -> Held:
 
 
 @dataclass(slots=True)
-class _Layer:
-    name: str
-    tensor: torch.Tensor
-    block_dim: int
-    nbytes: int  # bytes of one block of this layer
-    offset: int  # where this layer's bytes start in a block payload
-
-
-@dataclass(slots=True)
 class _Outcome:
     request_id: str
     done: int  # blocks loaded
@@ -150,7 +156,17 @@ class _Outcome:
     seconds: float = 0.0
 
 
+@dataclass(slots=True)
+class _Read:
+    """A synchronous load whose payloads are read and verified, waiting to be put in place."""
+
+    spec: LoadSpec
+    outcome: _Outcome
+    scatter: Scatter | None  # None: no block was read
+
+
 DECODE_SHARE = 8  # prefill tokens per decoding request a timed step may carry (see the module docstring)
+DEFAULT_SAVE_QUEUE_BYTES = 256 << 20  # host bytes of saves copied out and not yet written (see WorkerSide)
 
 
 class PublisherSink:
@@ -203,8 +219,11 @@ class WorkerSide:
                  publisher: TierPublisher | None = None, observe: Callable[[ObservationRecord], None] | None = None,
                  model: str | None = None, profile: str = "", threads: int = 2, measure: bool = True,
                  clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
-                 tiers: TierManager | None = None) -> None:
+                 tiers: TierManager | None = None, layerwise: bool = False,
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
         check_descriptor(descriptor)
+        if save_queue_bytes <= 0:
+            raise ConfigError("save_queue_bytes", f"must be > 0, got {save_queue_bytes}")
         self.descriptor = descriptor
         self.catalog = catalog
         self.held = held or tier_held(catalog, None)
@@ -225,20 +244,35 @@ class WorkerSide:
         self.measure = measure
         self.clock, self.wall = clock, wall
         self._group = descriptor.layer_groups[0].kv_group
-        self._layers: list[_Layer] = []
+        self._kv: PagedKV | None = None
         self._block_bytes = 0
+        self._cuda = torch.cuda.is_available()
+        self._buffers = BufferPool(pin=self._cuda, max_bytes=save_queue_bytes)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="nexuskv-kv")
         self._lock = threading.Lock()
         self._async_loads: dict[str, Future] = {}
-        self._writes: list[Future] = []
+        self.layerwise = layerwise
+        self._reads: list[Future] = []  # this step's synchronous loads, being read
+        self._placing: list[_Read] = []  # ... read, being put in place layer by layer
+        self._releasing: list[Scatter] = []  # put in place; their buffers go back once their copies end
         self._load_errors: set[int] = set()
+        # Saves: a bounded queue (in bytes) to one writer thread, FIFO, so a request's blocks are
+        # written, hence announced, in order; a save that does not fit is dropped, never waited for.
+        self.save_queue_bytes = save_queue_bytes
+        self._saves: collections.deque[tuple[SaveSpec, Gathered]] = collections.deque()
+        self._queued_bytes = 0
+        self._writing = 0  # saves taken by the writer and not finished
+        self._save_cv = threading.Condition(threading.Lock())
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name="nexuskv-kv-writer", daemon=True)
+        self._writer.start()
         self._report = WorkerReport()
         self._step_started: float | None = None
         self._step_load_s = 0.0
-        self._cuda = torch.cuda.is_available()
         self.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "blocks_already_held": 0,
                       "blocks_unchained": 0, "blocks_refused": 0, "bytes_loaded": 0, "bytes_saved": 0,
-                      "prefill_timings": 0}
+                      "prefill_timings": 0, "saves_queued": 0, "saves_dropped": 0, "blocks_dropped": 0,
+                      "loads_unwaited": 0}
 
     # -- registration --------------------------------------------------------------------------
 
@@ -264,13 +298,13 @@ class WorkerSide:
                                                f"{self.descriptor.descriptor_id} says {self.descriptor.layout.layout}")
             one = t.select(dim, 0)
             nbytes = one.numel() * one.element_size()
-            layers.append(_Layer(name, t, dim, nbytes, offset))
+            layers.append(PagedLayer(name, t, dim, nbytes, offset))
             offset += nbytes
         expected = sum(g.bytes_per_token for g in self.descriptor.layer_groups) * self.descriptor.block_size
         if offset != expected:
             raise ConfigError("kv_caches", f"{len(layers)} layers hold {offset} bytes per block; descriptor "
                                            f"{self.descriptor.descriptor_id} says {expected}")
-        self._layers, self._block_bytes = layers, offset
+        self._kv, self._block_bytes = PagedKV(layers, pool=self._buffers), offset
         if self.measure:
             self._measure_at_start(layers[0].tensor)
 
@@ -331,22 +365,6 @@ class WorkerSide:
         if self._cuda:
             torch.cuda.synchronize()
 
-    # -- one block's bytes ---------------------------------------------------------------------
-
-    def _gather(self, block_id: int) -> torch.Tensor:
-        """One block's payload bytes (every layer, in order) in host memory."""
-        out = torch.empty(self._block_bytes, dtype=torch.uint8)
-        for layer in self._layers:
-            src = layer.tensor.select(layer.block_dim, block_id).contiguous()
-            out[layer.offset:layer.offset + layer.nbytes].copy_(src.view(-1).view(torch.uint8).cpu())
-        return out
-
-    def _scatter(self, block_id: int, data: torch.Tensor) -> None:
-        for layer in self._layers:
-            dst = layer.tensor.select(layer.block_dim, block_id)
-            part = data[layer.offset:layer.offset + layer.nbytes].view(dst.dtype).view(dst.shape)
-            dst.copy_(part)
-
     # -- the step ------------------------------------------------------------------------------
 
     def bind(self, meta: ConnectorMeta) -> None:
@@ -359,24 +377,78 @@ class WorkerSide:
         self._step_load_s = 0.0
 
     def start_load(self, meta: ConnectorMeta) -> None:
-        """Run this step's synchronous loads (before the forward pass), start its asynchronous ones."""
+        """Start this step's loads: their payloads are read and verified on worker threads.
+
+        Asynchronous loads are put in place on those threads too, and reported by ``get_finished``.
+        Synchronous ones are put in place by :meth:`wait_for_layer_load`, one layer at a time, when
+        ``layerwise`` (vLLM calls it before each attention layer); otherwise here, before the
+        forward pass, in one batched copy per layer.
+        """
         t0 = self.clock()
-        sync: list[Future] = []
         for spec in meta.loads:
-            future = self._pool.submit(self._load, spec)
             if spec.load_async:
-                self._async_loads[spec.request_id] = future
+                self._async_loads[spec.request_id] = self._pool.submit(self._load_async, spec)
             else:
-                sync.append(future)
-        for future in sync:
-            self._record(future.result())
+                self._reads.append(self._pool.submit(self._read, spec))
+        if self._reads and not self.layerwise:
+            self._take_reads()
+            for read in self._placing:
+                if read.scatter is not None:
+                    read.scatter.put()
+            self._placed()
         self._step_load_s += self.clock() - t0
 
+    def _take_reads(self) -> None:
+        """Wait for this step's synchronous reads (their layers are needed now)."""
+        reads, self._reads = self._reads, []
+        self._placing.extend(f.result() for f in reads)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: synchronous loads are in place when ``start_load`` returns."""
+        """Put layer ``layer_name`` of this step's synchronous loads in place (vLLM calls it before
+        the layer's attention): on CUDA the engine's stream waits for that layer's copy only."""
+        if not self._reads and not self._placing:
+            return
+        t0 = self.clock()
+        if self._reads:
+            self._take_reads()
+        index = self._kv.layer_index(layer_name) if self._kv is not None else None
+        if index is not None:
+            for read in self._placing:
+                if read.scatter is not None:
+                    read.scatter.put(index)
+        self._step_load_s += self.clock() - t0
+
+    def _placed(self) -> None:
+        """Report this step's synchronous loads; a load with a layer vLLM never waited for was not
+        in place when that layer ran: its blocks are load errors (vLLM recomputes them)."""
+        if self._reads:  # started but never waited for at all
+            self._take_reads()
+        placing, self._placing = self._placing, []
+        for read in placing:
+            outcome, scatter = read.outcome, read.scatter
+            if scatter is not None:
+                missing = scatter.missing_layers()
+                if missing:
+                    self.stats["loads_unwaited"] += 1
+                    spec = read.spec
+                    outcome = replace(outcome, done=0, failed_block_ids=spec.block_ids, failed_keys=(),
+                                      reason=f"layer {missing[0]} was not waited for before it ran "
+                                             f"({len(missing)} layers)")
+                self._releasing.append(scatter)
+            self._record(outcome)
+        still = []
+        for scatter in self._releasing:
+            if scatter.ready():
+                scatter.release()
+            else:
+                still.append(scatter)
+        self._releasing = still
 
     def wait_for_save(self, meta: ConnectorMeta) -> None:
-        """The step's forward pass is done: time it, copy its filled blocks out, write them on a thread."""
+        """The step's forward pass is done (enqueued, on CUDA): time it, report its loads, copy its
+        filled blocks out in one batched gather per save and queue them for the writer thread."""
+        if self._placing or self._reads:
+            self._placed()
         if self._step_started is not None:
             self._sync()
             elapsed = self.clock() - self._step_started - self._step_load_s
@@ -384,9 +456,61 @@ class WorkerSide:
             work = meta.prefills[0]
             self._timed_prefill(work.request_id, PrefillTiming(work.uncached, work.context, elapsed))
         for spec in meta.saves:
-            copies = [self._gather(b) for b in spec.block_ids]
-            self._writes.append(self._pool.submit(self._save, spec, copies))
-        self._writes = [f for f in self._writes if not f.done()]
+            if spec.block_ids:
+                self._enqueue_save(spec)
+
+    def _enqueue_save(self, spec: SaveSpec) -> None:
+        nbytes = len(spec.block_ids) * self._block_bytes
+        with self._save_cv:
+            fits = not self._closing and self._queued_bytes + nbytes <= self.save_queue_bytes
+            if fits:
+                self._queued_bytes += nbytes
+        if not fits:  # never wait for the writer: this save is a later miss, counted
+            self._dropped(spec, "the save queue is full" if not self._closing else "the worker side is closing")
+            return
+        try:
+            gathered = self._kv.gather(spec.block_ids)
+        except BaseException:
+            with self._save_cv:
+                self._queued_bytes -= nbytes
+            raise
+        with self._save_cv:
+            self._saves.append((spec, gathered))
+            self.stats["saves_queued"] += 1
+            self._save_cv.notify()
+
+    def _dropped(self, spec: SaveSpec, why: str) -> None:
+        with self._lock:
+            first = self.stats["saves_dropped"] == 0
+            self.stats["saves_dropped"] += 1
+            self.stats["blocks_dropped"] += len(spec.block_ids)
+        METRICS.transfers.labels(status="save_dropped", link=f"gpu->{spec.tier.value}").inc()
+        (log.warning if first else log.debug)("request %s: %d blocks not saved to %s: %s (%d saves dropped so far)",
+                                              spec.request_id, len(spec.block_ids), spec.tier.value, why,
+                                              self.stats["saves_dropped"])
+
+    def _write_loop(self) -> None:
+        """The writer thread: saves in the order they were queued; a save is announced only once written."""
+        while True:
+            with self._save_cv:
+                while not self._saves and not self._closing:
+                    self._save_cv.wait()
+                if not self._saves:
+                    return
+                spec, gathered = self._saves.popleft()
+                self._writing += 1
+            try:
+                payloads = gathered.payloads()
+                gathered.release()
+                self._save(spec, list(payloads.unbind(0)))
+            except Exception as exc:  # noqa: BLE001 - a failed save is a later miss; the writer goes on
+                log.warning("request %s: saving %d blocks failed: %s", spec.request_id, len(spec.block_ids), exc)
+            finally:
+                gathered.release()
+                with self._save_cv:
+                    self._writing -= 1
+                    self._queued_bytes -= gathered.nbytes
+                    self._save_cv.notify_all()
 
     def _timed_prefill(self, request_id: str, timing: PrefillTiming) -> None:
         self.stats["prefill_timings"] += 1
@@ -408,28 +532,44 @@ class WorkerSide:
 
     # -- loads ---------------------------------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> _Outcome:
+    def _read(self, spec: LoadSpec) -> _Read:
+        """Read and verify a load's payloads into host memory, in order; the first missing, corrupt
+        or foreign one ends it (it and the blocks after it are load errors)."""
         if spec.source is None:
-            return _Outcome(spec.request_id, 0, spec.block_ids, (), "the allocation did not match the decision")
+            return _Read(spec, _Outcome(spec.request_id, 0, spec.block_ids, (),
+                                        "the allocation did not match the decision"), None)
         if not spec.keys:
-            return _Outcome(spec.request_id, 0)
+            return _Read(spec, _Outcome(spec.request_id, 0), None)
         t0 = self.clock()
         did = self.descriptor.descriptor_id
         first = PayloadKey(did, spec.keys[0], self._group)
         backend = self.catalog.source_for(spec.source, first)
         tier = spec.source.tier
         if backend is None:
-            return _Outcome(spec.request_id, 0, spec.block_ids, spec.keys, f"no reachable backend at {spec.source} "
-                            f"holds block {spec.first_block}", tier, self.clock() - t0)
-        buf = torch.empty(self._block_bytes, dtype=torch.uint8)
-        for i, (key, block_id) in enumerate(zip(spec.keys, spec.block_ids)):
+            return _Read(spec, _Outcome(spec.request_id, 0, spec.block_ids, spec.keys,
+                                        f"no reachable backend at {spec.source} holds block {spec.first_block}",
+                                        tier, self.clock() - t0), None)
+        stage = self._kv.staging(len(spec.keys))
+        done, failure = len(spec.keys), None
+        for i, key in enumerate(spec.keys):
             try:
-                backend.read_verified(PayloadKey(did, key, self._group), buf)
+                backend.read_verified(PayloadKey(did, key, self._group), stage[i])
             except (DataPlaneError, ValueError) as exc:
-                return _Outcome(spec.request_id, i, spec.block_ids[i:], spec.keys[i:],
-                                f"block {spec.first_block + i}: {exc}", tier, self.clock() - t0)
-            self._scatter(block_id, buf)
-        return _Outcome(spec.request_id, len(spec.keys), source=tier, seconds=self.clock() - t0)
+                done, failure = i, f"block {spec.first_block + i}: {exc}"
+                break
+        scatter = self._kv.scatter(stage, spec.block_ids[:done]) if done else None
+        if failure is None:
+            return _Read(spec, _Outcome(spec.request_id, done, source=tier, seconds=self.clock() - t0), scatter)
+        return _Read(spec, _Outcome(spec.request_id, done, spec.block_ids[done:], spec.keys[done:], failure, tier,
+                                    self.clock() - t0), scatter)
+
+    def _load_async(self, spec: LoadSpec) -> _Outcome:
+        """An asynchronous load, whole, on a worker thread: read, verify, put every layer in place."""
+        read = self._read(spec)
+        if read.scatter is not None:
+            read.scatter.put()
+            read.scatter.release()  # waits for its copies: the load is reported only once they ended
+        return read.outcome
 
     def _record(self, outcome: _Outcome) -> None:
         with self._lock:
@@ -560,10 +700,14 @@ class WorkerSide:
             log.warning("request %s: announcing %d saved blocks failed: %s", spec.request_id, len(run), exc)
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait for every write started so far (tests, shutdown)."""
-        pending, self._writes = self._writes, []
-        for future in pending:
-            future.result(timeout_s)
+        """Wait until every save queued so far is written and announced (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        with self._save_cv:
+            while self._saves or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._saves) + self._writing} saves not written in {timeout_s} s")
+                self._save_cv.wait(left)
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -584,11 +728,32 @@ class WorkerSide:
         return report or None
 
     def busy(self) -> bool:
-        """True while an asynchronous load has not been reported, or a write is running."""
-        return bool(self._async_loads) or any(not f.done() for f in self._writes)
+        """True while an asynchronous load has not been reported, or a save is queued or being written."""
+        with self._save_cv:
+            writing = bool(self._saves or self._writing)
+        return bool(self._async_loads) or writing
 
-    def close(self) -> None:
+    def pending_saves(self) -> int:
+        """Saves copied out and not yet written."""
+        with self._save_cv:
+            return len(self._saves) + self._writing
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop: the writer drains the queue for up to ``timeout_s``; what it could not write is
+        dropped, counted, never announced."""
+        with self._save_cv:
+            self._closing = True
+            self._save_cv.notify_all()
+        self._writer.join(timeout_s)
+        with self._save_cv:
+            left, self._saves = list(self._saves), collections.deque()
+        for spec, gathered in left:
+            gathered.release()
+            self._dropped(spec, "the worker side closed before it was written")
         self._pool.shutdown(wait=True)
+        for scatter in self._releasing:
+            scatter.release()
+        self._releasing = []
 
 
 def tier_held(catalog: BackendCatalog, disk_root: Path | None) -> Held:
