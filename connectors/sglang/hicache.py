@@ -359,7 +359,7 @@ def _build_storage_class() -> type:
 
         def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
             targets = target_locations if target_locations is not None else [None] * len(keys)
-            return [self.get(k, t) for k, t in zip(keys, targets)]
+            return self.core.get_many(keys, [t if hasattr(t, "view") else None for t in targets])
 
         def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
             return value is not None and self.core.set(key, value)
@@ -386,25 +386,31 @@ def _build_storage_class() -> type:
                 self._staging.pool = pool
             return page
 
-        def _read_page(self, pool: Any, key: str, index: int) -> bool:
-            """Read ``key`` into ``pool``'s page at ``index``: straight in when that page is contiguous."""
+        def _read_page(self, pool: Any, key: str, located: tuple[int, Any], index: int) -> bool:
+            """Read ``key`` (where :meth:`HiCacheCore.locate` found it) into ``pool``'s page at ``index``:
+            straight in when that page is contiguous."""
             view = pool.get_data_page(index, flat=False)
             if view.is_contiguous():
-                return self.core.get(key, view) is not None
+                return self.core.read(key, *located, view) is not None
             staging = self._staging_page(pool)
-            if self.core.get(key, staging) is None:
+            if self.core.read(key, *located, staging) is None:
                 return False
             pool.set_from_flat_data_page(index, staging)
             return True
 
-        def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-            pool, size = self.mem_pool_host, self.mem_pool_host.page_size
+        def _read_pages(self, pool: Any, keys: list[str], host_indices: Any) -> list[bool]:
+            """Pages into ``pool`` up to the first miss (SGLang recomputes from there): promised pages
+            from their promise, the rest located with one ask."""
+            size = getattr(pool, "page_size", 1) or 1
             out: list[bool] = []
-            for i, key in enumerate(keys):
-                if not self._read_page(pool, key, int(host_indices[i * size])):
+            for i, (key, located) in enumerate(zip(keys, self.core.locate(keys))):
+                if not self._read_page(pool, key, located, int(host_indices[i * size])):
                     return out + [False] * (len(keys) - i)
                 out.append(True)
             return out
+
+        def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+            return self._read_pages(self.mem_pool_host, keys, host_indices)
 
         def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
             pool, size = self.mem_pool_host, self.mem_pool_host.page_size
@@ -420,16 +426,20 @@ def _build_storage_class() -> type:
         def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
             core = self.core
             prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-            canonicals, holders, kv = core.readable_run(keys)
+            transfers = list(pool_transfers or [])
+            # One ask for the KV pages and every pool's pages of them.
+            sides = [[component_key(k, str(t.name), self._shard) for k in keys] for t in transfers]
+            canonicals, holders, _ = core.readable_run([*keys, *(k for side in sides for k in side)])
+            n = len(keys)
+            kv = next((i for i, h in enumerate(holders[:n]) if h is None), n)
+            side_holders = [holders[n * (j + 1):n * (j + 2)] for j in range(len(transfers))]
             hits: dict[Any, int] = {"kv": kv} if kv else {}
             restorable = set(range(1, kv + 1))
-            for transfer in pool_transfers or []:
+            for j, transfer in enumerate(transfers):
                 if not restorable:
                     break
-                name = str(transfer.name)
                 policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
-                present = [h is not None for h in core.readable_run(
-                    [component_key(k, name, self._shard) for k in keys[:kv]])[1]]
+                present = [h is not None for h in side_holders[j][:kv]]
                 if policy == "all_pages":
                     boundary = next((i for i, ok in enumerate(present) if not ok), kv)
                     pool_ok = set(range(1, boundary + 1))
@@ -455,6 +465,11 @@ def _build_storage_class() -> type:
             if final and core.gate(canonicals[:final], holders[:final],
                                    context=[core.canonical(k) for k in prefix or ()]) < final:
                 final, hits, restorable = 0, {}, set()
+            if final:  # SGLang reads these from this answer: the KV pages and their pools' pages
+                core.promise(canonicals[:final], holders[:final])
+                for j in range(len(transfers)):
+                    side = slice(n * (j + 1), n * (j + 1) + max(final, hits.get(transfers[j].name, 0)))
+                    core.promise(canonicals[side], holders[side])
             return PoolTransferResult(final, hits, sorted(p for p in restorable if p <= final))
 
         def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
@@ -467,14 +482,8 @@ def _build_storage_class() -> type:
                 if pool is None or indices is None or indices.numel() != len(keys) * size:
                     out[transfer.name] = [False] * len(keys)
                     continue
-                results: list[bool] = []
-                for i, key in enumerate(keys):
-                    if not self._read_page(pool, component_key(key, str(transfer.name), self._shard),
-                                           int(indices[i * size])):
-                        results += [False] * (len(keys) - i)
-                        break
-                    results.append(True)
-                out[transfer.name] = results
+                out[transfer.name] = self._read_pages(
+                    pool, [component_key(key, str(transfer.name), self._shard) for key in keys], indices)
             return out
 
         def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:

@@ -47,10 +47,22 @@ tier was slower than recomputing). SGLang loads the whole prefetch, so that is w
   prefix keys). The last batch is priced for what it adds. A run that turns out short has then
   loaded full batches that alone would not have paid: ``stats["answered_ahead"]`` counts them.
 
-Without a cost profile for the model the gate is the index alone (said once in the log). ``get``
-reads only what the index vouches for, verifies the payload's checksum and address, and misses
-(None) when the payload is gone or wrong — never returns stale data; a page of its own found
-missing or corrupt is removed from the index.
+Without a cost profile for the model the gate is the index alone (said once in the log).
+
+**Promises.** The pages ``batch_exists`` answers are promised: the index's answer (which holder
+places each page where) is kept, and SGLang's read of those pages (``batch_get``, its ``_v1`` and
+``_v2`` forms, on its I/O thread) loads them from that answer without asking the index again. A
+prefetch therefore asks once (once per ``batch_exists`` call of SGLang's batching controller),
+and no slow answer to a per-page ask can cut short a prefetch the backend already promised in
+full (the index client's budget makes a late answer a miss: 31 and 9 of 136 promised pages loaded
+before). A promise is used once, expires after :data:`PROMISE_TTL_S`, and at most
+:data:`MAX_PROMISES` are kept (oldest dropped; ``stats["promises_dropped"]``); a read with no
+promise asks the index, one ask for all the pages of the call. Either way ``get`` reads only what
+the index vouched for, verifies the payload's checksum and address, and misses (None) when the
+payload is gone or wrong — never returns stale data; a page of its own found missing or corrupt
+is removed from the index. SGLang loads a prefetch's pages up to the first miss and recomputes
+from there, so a read stops at its first miss (the pages after it are neither read nor kept
+promised).
 
 **Capacity.** A host or disk tier of the backend belongs to its
 :class:`~nexuskv.dataplane.tiers.TierManager`: a ``set`` into a full tier makes room by utility
@@ -67,6 +79,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -92,8 +105,8 @@ from nexuskv.lookup import IndexView, LocationMatch, LookupResult
 from nexuskv.planner import PlanQuery, plan
 from nexuskv.policy import ExecutionPolicy
 
-__all__ = ["PAGE_SCOPE_SALT", "PAGE_WORDS", "STORAGE_BATCH_SIZE", "page_scope", "page_words", "page_event_hash",
-           "FolderSource", "HiCacheCore", "folder_of"]
+__all__ = ["PAGE_SCOPE_SALT", "PAGE_WORDS", "STORAGE_BATCH_SIZE", "PROMISE_TTL_S", "MAX_PROMISES", "page_scope",
+           "page_words", "page_event_hash", "FolderSource", "HiCacheCore", "folder_of"]
 
 log = logging.getLogger("nexuskv.sglang")
 
@@ -102,6 +115,11 @@ PAGE_WORDS = 8  # a 32-byte page key as eight little-endian uint32 words
 #: Pages per ``batch_exists`` call of SGLang's batching controller (``hicache_storage.STORAGE_BATCH_SIZE``,
 #: 128 in 0.5.10-0.5.23; read from SGLang when it is installed).
 STORAGE_BATCH_SIZE = 128
+#: How long a page ``batch_exists`` answered stays promised: SGLang reads a prefetch within its
+#: prefetch timeout (``prefetch_timeout_base`` 1 s plus per token), far less than this.
+PROMISE_TTL_S = 30.0
+#: Promised pages kept at most (a prefetch holds at most half SGLang's host pool).
+MAX_PROMISES = 1 << 16
 _MASK64 = (1 << 64) - 1
 
 
@@ -202,10 +220,13 @@ class HiCacheCore:
         self._layout = layout
         self._max_prefetch_pages: int | None = None
         self._runs: dict[int, list[int]] = {}  # thread -> canonical keys of its batched query so far
+        # canonical -> (holder, when): pages batch_exists answered, read from that answer (once)
+        self._promised: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._warned = False
         self._shared = any(b.capabilities.shared for b in catalog.reachable(EntryLocation(worker=worker, tier=tier)))
         self.stats = {"set": 0, "set_failed": 0, "set_refused": 0, "hits": 0, "misses": 0, "stale_or_missing": 0,
-                      "evicted": 0, "gated_by_planner": 0, "answered_ahead": 0}
+                      "evicted": 0, "gated_by_planner": 0, "answered_ahead": 0, "promised": 0, "read_on_promise": 0,
+                      "asked_at_read": 0, "promises_dropped": 0, "promises_expired": 0}
         self._facts.start(self._identity)  # a new incarnation starts with no facts (and resyncs the publisher)
         self._facts.flush()
 
@@ -306,7 +327,52 @@ class HiCacheCore:
         if more and answer:
             self.stats["answered_ahead"] += 1
             self._runs[thread] = context + canonicals
+        self.promise(canonicals[:answer], holders[:answer])
         return answer
+
+    # -- promises ---------------------------------------------------------------------------------
+
+    def promise(self, canonicals: Sequence[int], holders: Sequence[str | None]) -> None:
+        """Keep the index's answer for pages ``batch_exists`` answered: their read will not ask again."""
+        now = self.clock()
+        with self._lock:
+            for canonical, holder in zip(canonicals, holders):
+                if holder is None:
+                    continue
+                self._promised[canonical] = (holder, now)
+                self._promised.move_to_end(canonical)
+                self.stats["promised"] += 1
+            while len(self._promised) > MAX_PROMISES:
+                self._promised.popitem(last=False)
+                self.stats["promises_dropped"] += 1
+
+    def forget_promises(self, canonicals: Sequence[int]) -> None:
+        """Drop promises that will not be read (SGLang stopped its prefetch before them)."""
+        with self._lock:
+            for canonical in canonicals:
+                self._promised.pop(canonical, None)
+
+    def locate(self, keys: Sequence[str]) -> list[tuple[int, str | None]]:
+        """(canonical key, holder or None) per page: from its promise, else from one ask for all the rest."""
+        canonicals = [self.canonical(k) for k in keys]
+        holders: list[str | None] = [None] * len(keys)
+        now = self.clock()
+        with self._lock:
+            for i, canonical in enumerate(canonicals):
+                entry = self._promised.pop(canonical, None)
+                if entry is None:
+                    continue
+                if now - entry[1] > PROMISE_TTL_S:
+                    self.stats["promises_expired"] += 1
+                    continue
+                holders[i] = entry[0]
+                self.stats["read_on_promise"] += 1
+        rest = [i for i, h in enumerate(holders) if h is None]
+        if rest:
+            self.stats["asked_at_read"] += len(rest)
+            for i, holder in zip(rest, self._holders([canonicals[i] for i in rest])):
+                holders[i] = holder
+        return list(zip(canonicals, holders))
 
     def gate(self, canonicals: list[int], holders: list[str | None], *, context: Sequence[int] = (),
              more: bool = False) -> int:
@@ -362,8 +428,25 @@ class HiCacheCore:
 
         A miss may leave ``target`` partly written (SGLang drops the page on None).
         """
-        canonical = self.canonical(key)
-        holder = self._holders([canonical])[0]
+        canonical, holder = self.locate([key])[0]
+        return self.read(key, canonical, holder, target)
+
+    def get_many(self, keys: Sequence[str], targets: Sequence[torch.Tensor | None] | None = None,
+                 ) -> list[torch.Tensor | None]:
+        """Pages in order (as :meth:`get`), up to the first miss; None for it and every page after it."""
+        targets = list(targets) if targets is not None else [None] * len(keys)
+        located = self.locate(keys)
+        out: list[torch.Tensor | None] = []
+        for i, (key, (canonical, holder)) in enumerate(zip(keys, located)):
+            page = self.read(key, canonical, holder, targets[i])
+            if page is None:
+                return out + [None] * (len(keys) - i)
+            out.append(page)
+        return out
+
+    def read(self, key: str, canonical: int, holder: str | None,
+             target: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Read the page ``holder`` placed (None: a miss), verified; see :meth:`get`."""
         if holder is None:
             self.stats["misses"] += 1
             return None

@@ -48,6 +48,9 @@ class _Metrics:
                                      ["service", "reason"], registry=registry)
         self.spans_exported = Counter("nexuskv_spans_exported", "spans the collector accepted", ["service"],
                                       registry=registry)
+        self.bridge_window_full = Counter("nexuskv_bridge_window_full",
+                                          "times the kv-event bridge waited for an acknowledgement before sending",
+                                          ["service"], registry=registry)
         self.alive = Gauge("nexuskv_service_alive", "1 while no supervised task failed and the loop answers",
                            ["service"], registry=registry)
         self.ready = Gauge("nexuskv_service_ready", "1 while every readiness condition of the service holds",

@@ -128,6 +128,8 @@ def test_a_page_evicted_elsewhere_reads_as_a_miss(remote_tier_address):
     target = torch.empty(PAGE_SHAPE, dtype=torch.float16)
     assert b.get(keys[0], target) is target  # the shared remote tier: another worker reads what a stored
     assert torch.equal(target, _page(0)) and b.batch_exists(keys) == 4
+    assert all(page is not None for page in b.get_many(keys[:4]))  # SGLang reads what batch_exists promised
+    assert b.stats["read_on_promise"] == 4
 
     assert a.delete(keys[0])  # a evicts it: payload and fact go
     assert not b.exists(keys[0]) and b.get(keys[0]) is None
@@ -262,3 +264,57 @@ def test_a_full_batch_is_priced_as_the_prefetch_it_starts():
     canonicals, holders, _ = core.readable_run(keys)
     assert core.gate(canonicals, holders) == 0  # nor do 200 (0.2 s of recompute against 0.3 s)
     assert core.gate(canonicals[:1], holders[:1], more=True) == 1  # one page heading a 1,000-page prefetch
+
+
+class _CountingIndex:
+    """An index view that counts the asks reaching it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.asks = 0
+
+    def lookup(self, *args, **kwargs):
+        self.asks += 1
+        return self.inner.lookup(*args, **kwargs)
+
+
+def test_promised_pages_are_read_without_asking_again(monkeypatch):
+    """What ``batch_exists`` answered is read from that answer, once; a read without a promise asks
+    once for all its pages; a promise expires; a read stops at its first miss."""
+    from connectors.sglang import hicache_core
+
+    feed = _Index()
+    now = [1000.0]
+    backend = HostMemoryBackend(1 << 22)
+    cost = cost_model(DESC)
+    core = HiCacheCore(DESC, worker="sglang-hicache/promise", catalog=BackendCatalog("sglang-hicache/promise",
+                                                                                      [backend]),
+                       tier=Tier.HOST, index=feed.index, publish=feed.publish, model=lambda: cost,
+                       execution=lambda: POLICY, profile=PROFILE, clock=lambda: now[0])
+    for i in range(5):
+        assert core.set(KEYS[i], _page(i))
+    counting = core.index = _CountingIndex(core.index)
+    assert core.batch_exists(KEYS) == 5 and counting.asks == 1
+    pages = core.get_many(KEYS[:5])
+    assert all(torch.equal(p, _page(i)) for i, p in enumerate(pages))
+    assert counting.asks == 1 and core.stats["read_on_promise"] == 5 and core.stats["asked_at_read"] == 0
+    assert all(p is not None for p in core.get_many(KEYS[:5]))  # a promise is read once: one ask for the five
+    assert counting.asks == 2 and core.stats["asked_at_read"] == 5
+
+    assert core.batch_exists(KEYS) == 5
+    now[0] += hicache_core.PROMISE_TTL_S + 1
+    assert core.get(KEYS[0]) is not None  # expired: asked again, still vouched for
+    assert core.stats["promises_expired"] == 1 and counting.asks == 4
+
+    assert core.batch_exists(KEYS) == 5
+    hits = core.stats["hits"]
+    assert backend.delete(PayloadKey(DESC.descriptor_id, core.canonical(KEYS[1]), 0))  # gone behind the index's back
+    got = core.get_many(KEYS[:5])
+    assert got[0] is not None and got[1:] == [None] * 4  # up to the first miss; SGLang recomputes from there
+    assert core.stats["hits"] == hits + 1 and core.stats["stale_or_missing"] == 1
+    assert core.batch_exists(KEYS) == 1  # its own page found missing: the fact is withdrawn
+
+    monkeypatch.setattr(hicache_core, "MAX_PROMISES", 2)
+    dropped = core.stats["promises_dropped"]
+    core.promise([core.canonical(k) for k in KEYS[2:5]], [core.worker] * 3)
+    assert core.stats["promises_dropped"] == dropped + 2  # the one promise left before, and the oldest new one

@@ -115,11 +115,20 @@ def test_bridge_incarnations_and_clears_on_restart(tmp_path):
     restarted = bridge.handle(_raw(0, restart=True))
     assert restarted.incarnation > 1000 and restarted.events[0] == Cleared()  # every tier: ends the uncertainty
     assert bridge.stats["restarts"] == 1
-    bridge._save_state()
+    bridge._save_state()  # nothing was acknowledged by a broker: the state file records no progress
     again = EventBridge(BridgeConfig(engine="vllm", identity=IDENTITY, state_file=tmp_path / "bridge.json"),
                         clock_ns=lambda: 5000)
-    assert again.resume_points() == {"kv@pod-a@m": 1}
-    assert again.handle(_raw(1)).incarnation == restarted.incarnation  # a bridge restart keeps the incarnation
+    assert again.resume_points() == {} and bridge.acknowledged_points() == {}
+    # (a bridge restart keeping the acknowledged resume point and incarnation: tests/streams/test_bridge_pipeline.py)
+
+
+def test_the_window_is_a_positive_int():
+    from nexuskv.errors import ConfigError
+
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ConfigError, match="^window: "):
+            BridgeConfig(engine="vllm", identity=IDENTITY, window=bad)
+    assert BridgeConfig(engine="vllm", identity=IDENTITY).window == 256
 
 
 def test_sequence_tracker_verdicts():

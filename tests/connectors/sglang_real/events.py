@@ -71,6 +71,8 @@ class Line:
     probe_interval_s: float | None = 2.0
     rcvhwm: int = 100_000
     rcvbuf: int | None = None  # the subscriber's kernel receive buffer (a slow consumer's small window)
+    window: int = 256  # the bridge's records in flight (1: one acknowledgement at a time)
+    idempotent: bool = True  # the bridge's producer, as ``python -m streams.bridge`` makes it on Kafka
 
     def __post_init__(self) -> None:
         self.topic = f"kv@{self.pod}@meta-llama/Llama-3.1-8B"
@@ -132,7 +134,8 @@ class Line:
         if self.bridge is not None:  # a restarted bridge: count what the earlier one handled
             self._handled += self.bridge.stats["forwarded"] + self.bridge.stats["dead_lettered"]
         self.bridge = EventBridge(BridgeConfig(engine="sglang", identity=self.identity, name=self.pod,
-                                               default_block_size=self.page, state_file=self.state_file))
+                                               default_block_size=self.page, state_file=self.state_file,
+                                               window=self.window))
         context = None
         if self.rcvbuf is not None:
             import zmq
@@ -145,7 +148,8 @@ class Line:
                                             topic_prefix=self.topic, resume=self.bridge.resume_points(),
                                             probe_interval_s=self.probe_interval_s, rcvhwm=self.rcvhwm)
         if self._producer is None:
-            self._producer = make_producer(self.kafka_url, client_id=f"bridge-{self.pod}")
+            self._producer = make_producer(self.kafka_url, client_id=f"bridge-{self.pod}",
+                                           enable_idempotence=self.idempotent)
             await self._producer.start()
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.bridge.run(self.subscriber, self._producer, stop=self._stop))

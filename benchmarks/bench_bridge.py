@@ -1,0 +1,143 @@
+"""The KV-event bridge keeping up: a 10k-batch replay from SGLang's own publisher to Apache Kafka.
+
+Each run, per arm, uses a fresh SGLang 0.5.23 ``ZmqEventPublisher`` (loopback TCP, its replay
+buffer of 10,000 batches) that publishes ``--batches`` - 1 engine batches (one to four stored pages
+of ``--page`` tokens each, sometimes a removal) before any bridge listens: ZMQ drops them live,
+SGLang buffers them. A :class:`~streams.bridge.EventBridge` then starts on that engine, and one more
+batch is published: the bridge sees a first batch at ``seq = batches - 1``, fetches the whole history
+through SGLang's ROUTER (``connectors.zmq_events``: rounds of replay, SGLang drops what exceeds
+its send high-water mark) and forwards every batch to ``nexuskv.kv-events`` on the broker.
+
+The figure is batches acknowledged by the broker per second, from the trigger batch to the
+acknowledgement of the last one: the repair of a ``--batches`` gap, end to end. Arms, same run:
+
+* pipelined: the bridge's window of ``--window`` records in flight, the idempotent producer;
+* baseline: ``window=1``, the former send (each batch's acknowledgement awaited before the next
+  is sent), with the same idempotent producer. It is stopped after ``--baseline-max-s`` seconds
+  when it has not finished; its rate is then what it forwarded in that time (said in details).
+
+After each pipelined arm the records are read back from Kafka and checked: every batch once,
+in order. Broker: ``NEXUSKV_BROKER`` when set, else a local Apache Kafka started for the run.
+Writes ``benchmarks/results/bridge_replay_batches_per_s.json``.
+
+Run: ``python -m benchmarks.bench_bridge [--batches 10000] [--runs 3] [--window 256]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._attack_broker import attack_broker
+from benchmarks._result import Run, write_result
+from tests.connectors.sglang_real.events import Line
+
+
+def _events(kv, rng: random.Random, page: int) -> list:
+    hashes = [rng.randrange(0, 1 << 63) for _ in range(rng.randint(1, 4))]
+    events = [kv.BlockStored(block_hashes=hashes, parent_block_hash=None,
+                             token_ids=[rng.randrange(1, 150_000) for _ in range(page * len(hashes))],
+                             block_size=page, lora_id=None, medium="GPU")]
+    if rng.random() < 0.2:
+        events.append(kv.BlockRemoved(block_hashes=[rng.randrange(0, 1 << 63)], medium="GPU"))
+    return events
+
+
+async def _arm(url, folder: Path, *, batches: int, page: int, window: int, max_s: float, seed: int,
+               verify: bool) -> dict:
+    """One arm: publish the history, start the bridge, time the repair. Returns its figures."""
+    from sglang.srt.disaggregation import kv_events as kv
+
+    line = Line(url, folder, page=page, window=window)
+    publisher = line.publisher()
+    rng = random.Random(seed)
+    try:
+        for _ in range(batches - 1):  # the history; with the trigger, ``batches`` fill SGLang's buffer
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=_events(kv, rng, page)))
+        while not publisher._event_queue.empty():  # SGLang's publisher thread has sent (and buffered) them all
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        await line.start_bridge()
+        await asyncio.sleep(0.5)  # the SUB connection settles
+        start = time.perf_counter()
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=_events(kv, rng, page)))
+        total = batches
+        deadline = start + max_s
+        while line.bridge.stats["forwarded"] < total and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        elapsed = time.perf_counter() - start
+        forwarded = line.bridge.stats["forwarded"]
+        finished = forwarded >= total
+        out = {"window": window, "forwarded": forwarded, "finished": finished, "elapsed_s": round(elapsed, 3),
+               "batches_per_s": forwarded / elapsed, "subscriber": dict(line.subscriber.stats),
+               "window_stats": dict(line.bridge.window_stats)}
+        await line.stop_bridge()
+        if verify and finished:
+            received = await line.read(total, timeout=120)
+            seqs = [b.seq for b in received]
+            if seqs != list(range(total)):
+                raise AssertionError(f"window {window}: Kafka holds {len(seqs)} batches, not 0..{total - 1} in order")
+            out["verified_in_order"] = total
+        return out
+    finally:
+        publisher.shutdown()
+        await line.close()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    with attack_broker() as url, tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
+        runs, arms = [], []
+        for r in range(args.runs):
+            folder = Path(tmp) / f"run{r}"
+            folder.mkdir()
+            piped = await _arm(url, folder, batches=args.batches, page=args.page, window=args.window,
+                               max_s=args.max_s, seed=r, verify=True)
+            base = await _arm(url, folder, batches=args.batches, page=args.page, window=1,
+                              max_s=args.baseline_max_s, seed=r, verify=False)
+            print(f"run {r}: pipelined {piped['batches_per_s']:.0f} batches/s ({piped['elapsed_s']:.2f} s for "
+                  f"{piped['forwarded']}), window=1 {base['batches_per_s']:.0f} batches/s "
+                  f"({base['forwarded']} in {base['elapsed_s']:.1f} s{'' if base['finished'] else ', stopped'})",
+                  flush=True)
+            runs.append(Run(piped["batches_per_s"], base["batches_per_s"]))
+            arms.append({"pipelined": piped, "window_1": base})
+        load = os.getloadavg()
+        details = {
+            "batches": args.batches, "page_tokens": args.page, "window": args.window,
+            "repair_s_pipelined_median": statistics.median(a["pipelined"]["elapsed_s"] for a in arms),
+            "repair_s_pipelined_max": max(a["pipelined"]["elapsed_s"] for a in arms),
+            "baseline_finished": [a["window_1"]["finished"] for a in arms],
+            "baseline_max_s": args.baseline_max_s,
+            "broker": "NEXUSKV_BROKER" if os.environ.get("NEXUSKV_BROKER") else "local Apache Kafka (streams.bus.broker)",
+            "publisher": "SGLang 0.5.23 ZmqEventPublisher, loopback TCP",
+            "machine": f"{os.cpu_count()} cores, load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at the end "
+                       "(shared with other engineers' work)",
+            "arms": arms,
+        }
+        path = write_result("bridge_replay_batches_per_s", f"batches/s through the bridge to Kafka, a {args.batches}"
+                            "-batch replay from SGLang's publisher", "batches/s", runs,
+                            "window=1 (each acknowledgement awaited, the previous send)",
+                            f"python -m benchmarks.bench_bridge --batches {args.batches} --runs {args.runs} "
+                            f"--window {args.window} --page {args.page} --baseline-max-s {args.baseline_max_s:g}",
+                            details)
+        print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=10_000, help="the history replayed (SGLang buffers 10,000)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--max-s", type=float, default=300.0, help="give up on the pipelined arm after this long")
+    ap.add_argument("--baseline-max-s", type=float, default=60.0)
+    asyncio.run(_main(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
