@@ -110,8 +110,12 @@ def remote_gains(model: Callable[[], CostModel], descriptors: Callable[[str], St
 
 class RemoteTierOwner:
     """The ledger acting on the store: checks offers against stored headers, deletes what leaves,
-    and hands every change to the owner's publisher. Thread-safe (one lock over the ledger; the
-    store's I/O outside it)."""
+    and hands every change to the owner's publisher. Thread-safe.
+
+    An offer's header checks, the ledger's decision and its deletes run as one step (``_act``),
+    and so do the housekeeping rounds: otherwise an offer checked before a round evicted its block,
+    and admitted after, would be held by the ledger while the round deletes its object. Pins and
+    transfers only touch the ledger (``_lock``), so the bus loop never waits for the store."""
 
     def __init__(self, backend: TierBackend, ledger: RemoteLedger, facts: TierFacts, *, name: str,
                  clock: Callable[[], float] = time.time) -> None:
@@ -121,6 +125,7 @@ class RemoteTierOwner:
         self.name = name
         self.clock = clock
         self._lock = threading.Lock()
+        self._act = threading.Lock()
         self.counters: dict[str, int] = dict.fromkeys(
             ("offers", "blocks_offered", "header_mismatch", "deleted", "delete_failed", "sweeps"), 0)
 
@@ -131,6 +136,10 @@ class RemoteTierOwner:
         refused or evicted; announce the rest. A block whose object is missing or is not what the
         writer offered is refused and left alone (it is not the writer's to delete; unoffered, it is
         collected after the lease)."""
+        with self._act:
+            return self._handle_offer(offer)
+
+    def _handle_offer(self, offer: TierOffer) -> OfferDecision:
         keys = [PayloadKey(offer.descriptor_id, b.key, offer.group) for b in offer.blocks]
         heads = self.backend.headers(keys)
         checked: list[OfferedBlock] = []
@@ -184,6 +193,10 @@ class RemoteTierOwner:
     # -- time -------------------------------------------------------------------------------------
 
     def keep_headroom(self) -> HeadroomDecision:
+        with self._act:
+            return self._keep_headroom()
+
+    def _keep_headroom(self) -> HeadroomDecision:
         used = self.backend.used_bytes()
         with self._lock:
             decision = self.ledger.keep_headroom(used, now=self.clock())
@@ -194,11 +207,15 @@ class RemoteTierOwner:
             METRICS.remote_tier_blocks.labels("evicted").inc(len(decision.evicted))
             log.info("headroom: store at %d bytes > %d: %d blocks evicted by utility%s", used,
                      self.ledger.high_bytes, len(decision.evicted),
-                     f" ({decision.short_bytes} bytes short: pinned or read)" if decision.short_bytes else "")
+                     f" ({decision.short_bytes} bytes short: pinned, read, chained from or not offered yet)" if decision.short_bytes else "")
         return decision
 
     def sweep(self) -> SweepDecision:
         """List the store and reconcile: collect what no one offered within the lease, forget what is gone."""
+        with self._act:
+            return self._sweep()
+
+    def _sweep(self) -> SweepDecision:
         listed_at = self.clock()
         keys = self.backend.keys()
         with self._lock:
