@@ -293,13 +293,15 @@ class Settings(BaseModel):
         "NEXUSKV_REMOTE_TIER_LOW_WATERMARK",
         "Share of the remote tier's capacity the remote-tier manager evicts down to (by utility, cheapest first) "
         "once use passes the high watermark, so writers' saves find room.",
-        0.8, gt=0, lt=1,
+        0.7, gt=0, lt=1,
     )
     remote_tier_high_watermark: float = _env(
         "NEXUSKV_REMOTE_TIER_HIGH_WATERMARK",
         "Share of the remote tier's capacity above which the remote-tier manager evicts; above the low watermark. "
-        "What is above it is headroom for saves written and not yet offered.",
-        0.9, gt=0, lt=1,
+        "What is above it is headroom for saves written and not yet offered, and for the store's allocator: "
+        "Mooncake rounds each object up to a size class up to 1/8 larger than its bytes (a 128 KiB block "
+        "takes 144 KiB), so payload bytes at 0.8 of the capacity can fill 0.9 of the segment.",
+        0.8, gt=0, lt=1,
     )
     remote_tier_tenant_quotas: str = _env(
         "NEXUSKV_REMOTE_TIER_TENANT_QUOTAS",

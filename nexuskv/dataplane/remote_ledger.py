@@ -164,7 +164,7 @@ class _Entry:
 class RemoteLedger:
     """The remote tier's capacity ledger (see the module docstring)."""
 
-    def __init__(self, capacity_bytes: int, *, low_watermark: float = 0.8, high_watermark: float = 0.9,
+    def __init__(self, capacity_bytes: int, *, low_watermark: float = 0.7, high_watermark: float = 0.8,
                  tenant_shares: tuple[float, Mapping[str, float]] = (1.0, {}), lease_s: float = 30.0,
                  policy: EvictionPolicy | None = None, reuse: ReuseModel | None = None,
                  gains: RemoteGainFn | None = None, pin_fraction: float = 0.5) -> None:

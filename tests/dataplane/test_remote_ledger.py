@@ -26,6 +26,8 @@ def block(k: int, parent: int | None = None, position: int = 0) -> OfferedBlock:
 def ledger(**kw) -> RemoteLedger:
     # 10 objects fit under the high watermark (0.9), 8 under the low one (0.8).
     kw.setdefault("reuse", ReuseModel(half_life_s=10.0))
+    kw.setdefault("low_watermark", 0.8)
+    kw.setdefault("high_watermark", 0.9)
     return RemoteLedger(10 * OBJ * 10 // 9 + 8, **kw)
 
 
