@@ -17,13 +17,15 @@ What runs, all real:
   the prompt's blocks to its host tier through :meth:`~nexuskv.dataplane.tiers.TierManager.save`
   (as a connector offloads after a prefill), tokens and parent included, so the index can key them.
 * **Worker ``soak-w0``'s load**: prompts whose blocks this process writes to the shared remote tier
-  and announces (the event load); plan requests for ``soak-w0`` make ``up``'s planner order copies
-  remote -> GPU, which ``up``'s tier manager admits, demotes and collects.
+  and offers on ``nexuskv.tier-offers`` (the event load): ``up``'s remote-tier manager admits them
+  by utility, evicts to keep headroom as the store overfills, and announces them under its own
+  publisher; plan requests for ``soak-w0`` make ``up``'s planner order copies remote -> GPU, which
+  ``up``'s tier manager admits, demotes and collects.
 
 Checked at the end (the result says which held): every save answered (saved, already held, or
-refused by utility with a reason) and none failed; every managed tier's used + reserved bytes
+refused by utility with a reason) and none failed, remote-tier puts included; every managed tier's used + reserved bytes
 within its capacity at every sample; an index rebuilt from ``nexuskv.kv-events`` equal to what
-every tier manager's tiers really hold; every service's RSS bounded (the last third of the run
+every tier manager's tiers really hold, and to what the remote-tier manager holds (its audit); every service's RSS bounded (the last third of the run
 within ``rss_growth`` of the first third); every process alive, no traceback in any service log;
 the recurring prefix found by the planner in most of its requests (``hit rate``: matched whole in
 a tier, whether or not the cost model chose to load it, which is ``recurring_reuse_rate``), while
@@ -48,7 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -59,27 +61,27 @@ from nexuskv.admission import ReuseModel
 from nexuskv.config import BrokerUrl, parse_broker_url
 from nexuskv.contracts import codec
 from nexuskv.contracts.decisions import Action, Decision
-from nexuskv.contracts.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, PublisherIdentity
+from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
 from nexuskv.contracts.tier_state import TierStateRecord
-from nexuskv.contracts.topics import DECISIONS, KV_EVENTS, PLAN_REQUESTS, TIER_STATE, TRANSFER_RESULTS
+from nexuskv.contracts.topics import DECISIONS, PLAN_REQUESTS, TIER_STATE, TRANSFER_RESULTS
 from nexuskv.contracts.transfers import TransferResult, TransferStatus
 from nexuskv.cost import extent_bytes
-from nexuskv.dataplane.backend import host_view
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.disk import DiskBackend
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
-from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
+from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.dataplane.remote import RemoteBackend
+from nexuskv.dataplane.remote_offers import save_and_offer
 from nexuskv.dataplane.tier_facts import BlockIdentity, TierFacts
 from nexuskv.dataplane.tiers import SaveBlock, TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
-from nexuskv.errors import TierUnavailableError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
 from nexuskv.profiles import shipped_cost_model
 from streams.bus.clients import make_consumer, make_producer, send
+from streams.bus.topic_keys import route
 from streams.replica import IndexReplica
 from streams.tier_manager import TierBus, cost_model_gains
 from streams.transfer_executor import TransferService
@@ -89,6 +91,7 @@ __all__ = ["SoakConfig", "SoakResult", "run_soak", "main"]
 PROFILE = "h200x1-rdma4x200"
 TENANT = "soak"
 W0 = "soak-w0"
+REMOTE_OWNER = "remote-tier"  # the remote-tier manager's publisher (NEXUSKV_REMOTE_TIER_OWNER's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,7 @@ class SoakResult:
     transfers: Counter = field(default_factory=Counter)
     saves: Counter = field(default_factory=Counter)  # blocks saved, already held, refused, failed
     refusal_reasons: Counter = field(default_factory=Counter)
+    remote_saves: Counter = field(default_factory=Counter)  # blocks soak-w0 wrote to the remote tier, failed puts
     recurring_hits: int = 0
     recurring_requests: int = 0
     recurring_reused: int = 0  # recurring requests whose decision reused the whole prefix
@@ -158,6 +162,8 @@ class SoakResult:
             out.append(f"{self.saves['refused']} of {attempted} new blocks refused: saves are not succeeding")
         if not self.saves["saved"]:
             out.append("nothing was saved")
+        if self.remote_saves["failed"]:
+            out.append(f"{self.remote_saves['failed']} remote-tier puts failed (its owner keeps headroom)")
         out += self.capacity_violations
         out += [f"index != tiers for {k}" for k, ok in self.index_equal.items() if not ok]
         out += [f"RSS of {k} grew beyond bound: {self.rss_mib[k]}" for k, ok in self.rss_bounded.items() if not ok]
@@ -376,7 +382,8 @@ async def _engine_loop(engine: _Engine, config: SoakConfig, outcomes: _Outcomes,
 
 
 class _RemoteLoad:
-    """Worker soak-w0's load: prompts in the shared remote tier, announced, then planned for soak-w0."""
+    """Worker soak-w0's load: prompts saved to the shared remote tier and offered to its owner (the
+    remote-tier manager ``up`` runs, which admits, evicts and announces them), then planned for soak-w0."""
 
     def __init__(self, remote: RemoteBackend, config: SoakConfig, d: StateDescriptor, rng: random.Random) -> None:
         self.remote = remote
@@ -388,52 +395,28 @@ class _RemoteLoad:
         self.identity = PublisherIdentity(tenant_namespace=TENANT, model=d.model, model_revision=d.model_revision,
                                           tokenizer_revision=d.tokenizer_revision, descriptor_id=d.descriptor_id,
                                           engine_family="soak")
-        self.held: OrderedDict[int, None] = OrderedDict()  # what this load put in the remote tier, LRU first
-        self.seq = 0
-        self.incarnation = time.time_ns()
-        self.publisher = "soak-remote-writer"
-
-    def _batch(self, events) -> KvEventBatch:
-        b = KvEventBatch(publisher=self.publisher, incarnation=self.incarnation, seq=self.seq, ts=time.time(),
-                         identity=self.identity, events=tuple(events))
-        self.seq += 1
-        return b
+        self.writer = "soak-remote-writer"
 
     async def run(self, outcomes: _Outcomes, producer, result: SoakResult, stop: asyncio.Event) -> None:
-        await send(producer, KV_EVENTS, self.publisher, self._batch([AllCleared()]))
         prompts = _Prompts(self.config, self.d.block_size, self.rng)
-        nbytes = extent_bytes(self.d, 1)
         n = 0
         while not stop.is_set():
             n += 1
             t0 = time.monotonic()
             _kind, tokens = prompts.next(self.rng.random() < self.config.recurring)
             keys = self.keyer.keys(tokens)
-            fresh = [i for i, k in enumerate(keys) if k not in self.held]
-            for i in fresh:
-                pk = PayloadKey(self.d.descriptor_id, keys[i], 0)
-                data = torch.full((nbytes,), keys[i] % 251, dtype=torch.uint8)
-                with contextlib.suppress(TierUnavailableError):
-                    await asyncio.to_thread(self.remote.put, PayloadHeader.for_data(pk, host_view(data)), data)
-            if fresh:
-                bs = self.d.block_size
-                start = fresh[0]
-                await send(producer, KV_EVENTS, self.publisher, self._batch([BlockStored(
-                    engine_hashes=tuple(k & ((1 << 64) - 1) for k in keys[start:]),
-                    parent=(keys[start - 1] & ((1 << 64) - 1)) if start else None,
-                    token_ids=tuple(tokens[start * bs:]), block_size=bs, tier=Tier.REMOTE)]))
-            for k in keys:
-                self.held[k] = None
-                self.held.move_to_end(k)
-            gone = []
-            while len(self.held) > self.config.remote_blocks:
-                k, _ = self.held.popitem(last=False)
-                gone.append(k)
-                with contextlib.suppress(TierUnavailableError):
-                    await asyncio.to_thread(self.remote.delete, PayloadKey(self.d.descriptor_id, k, 0))
-            if gone:
-                await send(producer, KV_EVENTS, self.publisher, self._batch([BlockRemoved(
-                    engine_hashes=tuple(k & ((1 << 64) - 1) for k in gone), tier=Tier.REMOTE)]))
+            # The whole prompt is offered (what the store holds already is not written again): the
+            # owner may have evicted any part of it, and counts what it still holds as a use.
+            save = await asyncio.to_thread(save_and_offer, self.remote, _blocks(tokens, keys, self.d, self.identity, 0),
+                                           writer=self.writer, tenant=TENANT, identity=self.identity,
+                                           block_size=self.d.block_size, offer_id=f"{self.writer}-{n}",
+                                           now=time.time())
+            result.remote_saves["written"] += save.written
+            result.remote_saves["failed"] += save.failed
+            for why in save.reasons:
+                result.refusal_reasons[f"remote: {why.split(': ', 1)[-1][:80]}"] += 1
+            for offer in save.offers:
+                await send(producer, *route(offer), offer)
             await asyncio.sleep(0.2)  # the index applies the facts
             rid = f"{W0}-{n}"
             request = PlanRequest(request_id=rid, scope=self.scope, block_size=self.d.block_size,
@@ -699,6 +682,20 @@ async def run_soak(config: SoakConfig, url: BrokerUrl, work: Path) -> SoakResult
     else:
         result.index_equal[W0] = False
         result.index_detail[W0] = {"error": f"{audit_path} was not written"}
+    owner_audit = data_dir / "tiers" / REMOTE_OWNER / "audit.json"
+    if owner_audit.exists():
+        audit = json.loads(owner_audit.read_text())
+        indexed = {f"{t.value}/g{g}": sorted(f"{d.descriptor_id}/{k:032x}" for k in keys)
+                   for (t, g), keys in facts.get(REMOTE_OWNER, {}).items()}
+        result.index_equal[REMOTE_OWNER] = audit["ledger_vs_store"] == [0, 0] and indexed == audit["contents"]
+        result.index_detail[REMOTE_OWNER] = {"announced": sum(len(v) for v in audit["contents"].values()),
+                                             "indexed": sum(len(v) for v in indexed.values()),
+                                             "ledger_vs_store": audit["ledger_vs_store"]}
+        result.counters[REMOTE_OWNER] = {**audit["counters"], **{f"store_{k}": v
+                                                                 for k, v in audit["store_counters"].items()}}
+    else:
+        result.index_equal[REMOTE_OWNER] = False
+        result.index_detail[REMOTE_OWNER] = {"error": f"{owner_audit} was not written"}
     for log in (data_dir / "logs").glob("*.log"):
         text = log.read_text(errors="replace")
         result.tracebacks[log.stem] = text.count("Traceback (most recent call last)")
@@ -716,7 +713,8 @@ def _free_port() -> int:
 async def _wait_for_services(data_dir: Path, up: subprocess.Popen, timeout_s: float) -> None:
     """Until every service logged that it serves (the tier manager's tiers, the planner's policy)."""
     deadline = time.monotonic() + timeout_s
-    marks = {"tier-manager.log": "tier disk:", "planner.log": "serving with policy"}
+    marks = {"tier-manager.log": "tier disk:", "planner.log": "serving with policy",
+             "remote-tier-manager.log": f"owner {REMOTE_OWNER}"}
     while time.monotonic() < deadline:
         if up.poll() is not None:
             raise RuntimeError(f"nexuskv up exited with {up.returncode}")

@@ -25,7 +25,7 @@ from nexuskv.errors import ConfigError
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 _STORE_ADDRESS = re.compile(r"^mooncake://(\[[^\]]+\]|[^:/?\[\]]+):([0-9]{1,5})(\?admin=([0-9]{1,5}))?/?$")
 
-__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "parse_publisher_keys", "setting_rows",
+__all__ = ["BrokerUrl", "Settings", "parse_broker_url", "parse_api_tokens", "parse_publisher_keys", "parse_tenant_shares", "setting_rows",
            "MIN_SHARED_SECRET"]
 
 #: Fewest bytes of a secret that keys tenants apart (identity) or authenticates publishers (bus).
@@ -100,6 +100,31 @@ def parse_publisher_keys(text: str) -> dict[str, bytes]:
             raise ValueError(f"entry {i + 1}: the key must be 32 bytes (64 hex digits)")
         out[name] = raw
     return out
+
+
+def parse_tenant_shares(text: str) -> tuple[float, dict[str, float]]:
+    """``share[,tenant=share...]`` (shares in (0, 1]) to (default, overrides); a defect raises ValueError
+    naming the entry."""
+    default = 1.0
+    seen_default = False
+    out: dict[str, float] = {}
+    for i, part in enumerate(p.strip() for p in (text or "").split(",") if p.strip()):
+        tenant, sep, share = part.rpartition("=")
+        try:
+            value = float(share)
+        except ValueError:
+            raise ValueError(f"entry {i + 1} ({part!r}) is not a share or tenant=share") from None
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"entry {i + 1}: share {value} is not in (0, 1]")
+        if not sep:
+            if seen_default:
+                raise ValueError(f"entry {i + 1}: a second default share")
+            default, seen_default = value, True
+        elif not tenant.strip():
+            raise ValueError(f"entry {i + 1}: no tenant before '='")
+        else:
+            out[tenant.strip()] = value
+    return default, out
 
 
 def _env(name: str, doc: str, default: Any, **kw: Any) -> Any:
@@ -291,6 +316,41 @@ class Settings(BaseModel):
         "a full store rejects a save, it never evicts on its own). At least 16 MiB (Mooncake's smallest segment).",
         1 << 30, ge=16 << 20,
     )
+    remote_tier_owner: str = _env(
+        "NEXUSKV_REMOTE_TIER_OWNER",
+        "Publisher name of the remote-tier manager (`python -m streams.remote_tier_manager`, run by `nexuskv up`), "
+        "the one owner of the shared remote tier's capacity: it announces that tier's blocks on "
+        "`nexuskv.kv-events` and its price on `nexuskv.tier-state` under this name.",
+        "remote-tier", min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+    )
+    remote_tier_low_watermark: float = _env(
+        "NEXUSKV_REMOTE_TIER_LOW_WATERMARK",
+        "Share of the remote tier's capacity the remote-tier manager evicts down to (by utility, cheapest first) "
+        "once use passes the high watermark, so writers' saves find room.",
+        0.7, gt=0, lt=1,
+    )
+    remote_tier_high_watermark: float = _env(
+        "NEXUSKV_REMOTE_TIER_HIGH_WATERMARK",
+        "Share of the remote tier's capacity above which the remote-tier manager evicts; above the low watermark. "
+        "What is above it is headroom for saves written and not yet offered, and for the store's allocator: "
+        "Mooncake rounds each object up to a size class up to 1/8 larger than its bytes (a 128 KiB block "
+        "takes 144 KiB), so payload bytes at 0.8 of the capacity can fill 0.9 of the segment.",
+        0.8, gt=0, lt=1,
+    )
+    remote_tier_tenant_quotas: str = _env(
+        "NEXUSKV_REMOTE_TIER_TENANT_QUOTAS",
+        "Per-tenant quotas of the remote tier as shares of its capacity: a default share and `tenant=share` "
+        "overrides, comma-separated (`0.5,tenant-a=0.8`). A tenant at its quota displaces only its own cheaper "
+        "blocks.",
+        "1.0",
+    )
+    remote_tier_offer_lease_s: float = _env(
+        "NEXUSKV_REMOTE_TIER_OFFER_LEASE",
+        "Seconds a remote-tier object may stay unoffered (written, no `nexuskv.tier-offers` record for it) before "
+        "the remote-tier manager collects it as garbage (a writer that died between its put and its offer, a copy "
+        "the index cannot find).",
+        30.0, gt=0, le=86400,
+    )
     tier_policy: str = _env(
         "NEXUSKV_TIER_POLICY",
         "How the tier manager evicts and admits: `utility` (expected gain per byte, whitepaper §7.5: a block "
@@ -392,6 +452,25 @@ class Settings(BaseModel):
         if m is None or not all(0 < int(p) < 65536 for p in (m.group(2), m.group(4) or "9003")):
             raise ValueError(f"invalid remote tier address {value!r}: expected mooncake://host:port[?admin=port]")
         return text
+
+    @field_validator("remote_tier_tenant_quotas")
+    @classmethod
+    def _remote_quotas(cls, value: str) -> str:
+        parse_tenant_shares(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> Settings:
+        if self.remote_tier_low_watermark >= self.remote_tier_high_watermark:
+            raise ConfigError("NEXUSKV_REMOTE_TIER_LOW_WATERMARK", (
+                f"{self.remote_tier_low_watermark} is not below NEXUSKV_REMOTE_TIER_HIGH_WATERMARK "
+                f"{self.remote_tier_high_watermark}"))
+        return self
+
+    @property
+    def remote_tier_quota_shares(self) -> tuple[float, dict[str, float]]:
+        """(default share, tenant -> share) of the remote tier's capacity."""
+        return parse_tenant_shares(self.remote_tier_tenant_quotas)
 
     @field_validator("policy_file", mode="before")
     @classmethod

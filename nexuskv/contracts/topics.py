@@ -17,6 +17,8 @@ nexuskv.cost-models         cost-model entry id          fitted entries, each a 
                                                          compacted: the latest per key is the model
 nexuskv.tier-state          worker/tier                  a managed tier's usage and displacement
                                                          price; compacted: the latest per key
+nexuskv.tier-offers         writer                       blocks a worker saved to the shared remote
+                                                         tier, offered to its owner
 nexuskv.dead-letter         source topic                 rejected inputs with the reason
 =========================== ============================ ==========================================
 
@@ -26,7 +28,9 @@ planner service consumes plan-requests, transfer-results and cost-models and pro
 placement and transfers; tier managers consume placement hints (pins, prefetch reservations,
 demotions, evictions, cancels for their executor), produce kv-events for what their tiers hold and
 tier-state, which planners read as the displacement price; executors consume transfers and produce
-transfer-results and transfer observations; the analytics sink consumes decisions and outcomes.
+transfer-results and transfer observations; workers that save to the shared remote tier produce
+tier-offers, which the remote-tier manager consumes (it produces that tier's kv-events and
+tier-state); the analytics sink consumes decisions and outcomes.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.placement import PlacementHint
 from nexuskv.contracts.plans import PlanRequest
+from nexuskv.contracts.tier_offers import TierOffer
 from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 
 __all__ = ["Topic", "TOPICS", "KV_EVENTS", "OBSERVATIONS", "PLAN_REQUESTS", "DECISIONS",
-           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "TIER_STATE", "DEAD_LETTER", "topic_named"]
+           "PLACEMENT", "TRANSFERS", "TRANSFER_RESULTS", "COST_MODELS", "TIER_STATE", "TIER_OFFERS", "DEAD_LETTER",
+           "topic_named"]
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -96,6 +102,10 @@ TIER_STATE = Topic(
     "each managed tier's usage and displacement price; latest per key wins",
     {"cleanup.policy": "compact"},
 )
+TIER_OFFERS = Topic(
+    "nexuskv.tier-offers", "writer", TierOffer, "json",
+    "blocks a worker saved to the shared remote tier, offered to the tier's owner to admit or refuse",
+)
 DEAD_LETTER = Topic(
     "nexuskv.dead-letter", "source topic", DeadLetter, "json", "rejected inputs with the reason",
     {"retention.ms": str(30 * DAY_MS)},
@@ -103,7 +113,7 @@ DEAD_LETTER = Topic(
 
 TOPICS: tuple[Topic, ...] = (
     KV_EVENTS, OBSERVATIONS, PLAN_REQUESTS, DECISIONS, PLACEMENT, TRANSFERS, TRANSFER_RESULTS, COST_MODELS,
-    TIER_STATE, DEAD_LETTER,
+    TIER_STATE, TIER_OFFERS, DEAD_LETTER,
 )
 
 

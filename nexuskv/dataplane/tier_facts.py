@@ -49,7 +49,11 @@ def event_hash(key: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class BlockIdentity:
-    """What the index needs to key one block: who serves it, its tokens, and the block before it."""
+    """What the index needs to key one block: who serves it, its tokens, and the block before it.
+
+    ``tokens`` may be empty where they never reached this process (the remote-tier manager learns
+    blocks from offers, which carry keys only): the events carry the canonical keys, and such a
+    block's ``stored`` event has no token ids even with ``include_tokens``."""
 
     identity: PublisherIdentity
     tokens: tuple[int, ...]
@@ -60,7 +64,7 @@ class BlockIdentity:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != self.block_size:
+        if self.tokens and len(self.tokens) != self.block_size:
             raise ValueError(f"tokens: {len(self.tokens)} for a block of {self.block_size}")
 
 
@@ -198,13 +202,13 @@ def stored_events(announce: list[tuple[int, BlockIdentity]], tier: Tier, group: 
             engine_hashes=_hashes(k for k, _ in run), keys=b"".join([k.to_bytes(KEY_BYTES, "big") for k, _ in run]),
             block_size=first.block_size, tier=tier, group=group, tenant_namespace=first.tenant_namespace,
             lora=first.lora, cache_salt=first.cache_salt,
-            token_ids=pack_tokens(t for _, b in run for t in b.tokens) if include_tokens else None))
+            token_ids=pack_tokens(t for _, b in run for t in b.tokens) if include_tokens and first.tokens else None))
         run.clear()
 
     for key, ident in announce:
         if run:
             prev = run[-1][1]
-            same = (ident.block_size == prev.block_size
+            same = (ident.block_size == prev.block_size and bool(ident.tokens) == bool(prev.tokens)
                     and (ident.tenant_namespace, ident.lora, ident.cache_salt)
                     == (prev.tenant_namespace, prev.lora, prev.cache_salt)
                     and len(run) < MAX_BLOCKS_PER_EVENT)

@@ -43,6 +43,9 @@ SERVICES: tuple[Service, ...] = (
             "instead of each holding an index"),
     Service("remote-tier", "streams.remote_tier",
             "the remote tier's store: Mooncake Store (master and memory segment) at NEXUSKV_REMOTE_TIER"),
+    Service("remote-tier-manager", "streams.remote_tier_manager",
+            "owns the shared remote tier's capacity: admits or refuses writers' offers by utility and tenant quota, "
+            "keeps headroom between watermarks, collects unoffered objects; its tier facts and price"),
     Service("tier-manager", "streams.tier_manager",
             "owns this worker's tiers: admission and eviction by utility, pins, prefetch room, tier facts and "
             "prices; runs the transfer executor on them (results and timings)"),

@@ -40,6 +40,10 @@ class _Metrics:
         # kind: capacity, used, reserved (prefetch room and copies landing), pinned.
         self.tier_bytes = Gauge("nexuskv_tier_bytes", "bytes of a managed tier by kind", ["tier", "kind"],
                                 registry=registry)
+        # outcome: admitted, already, refused, evicted, collected, lost, undecided (the store did not answer).
+        self.remote_tier_blocks = Counter("nexuskv_remote_tier_blocks",
+                                          "blocks offered to the remote tier's owner, by what it did with them",
+                                          ["outcome"], registry=registry)
         self.unrecoverable = Counter("nexuskv_index_unrecoverable_records",
                                      "kv-events records that retention removed before this index applied them",
                                      ["service", "topic"], registry=registry)

@@ -4,7 +4,8 @@
 * ObservationRecord -> ``nexuskv.observations``, keyed by model and profile (prefill), by worker
   and link (transfer), by worker (load);
 * TransferResult -> ``nexuskv.transfer-results``, keyed by request id;
-* TierStateRecord -> ``nexuskv.tier-state``, keyed by worker and tier.
+* TierStateRecord -> ``nexuskv.tier-state``, keyed by worker and tier;
+* TierOffer -> ``nexuskv.tier-offers``, keyed by writer (one writer's offers stay in order).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from nexuskv.contract import Contract
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.observations import LoadObservation, ObservationRecord, PrefillObservation
+from nexuskv.contracts.tier_offers import TierOffer
 from nexuskv.contracts.tier_state import TierStateRecord
-from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TIER_STATE, TRANSFER_RESULTS, Topic
+from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS, TIER_OFFERS, TIER_STATE, TRANSFER_RESULTS, Topic
 from nexuskv.contracts.transfers import TransferResult
 from nexuskv.errors import ContractError
 
@@ -29,6 +31,8 @@ def route(record: Contract | KeyedBatch) -> tuple[Topic, str]:
         return TRANSFER_RESULTS, record.request_id
     if isinstance(record, TierStateRecord):
         return TIER_STATE, record.key
+    if isinstance(record, TierOffer):
+        return TIER_OFFERS, record.writer
     if isinstance(record, ObservationRecord):
         obs = record.observation
         if isinstance(obs, PrefillObservation):

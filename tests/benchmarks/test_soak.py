@@ -25,5 +25,8 @@ async def test_a_short_soak_keeps_every_promise(kafka_url, tmp_path):
     assert result.overfill["soak-w0/gpu"] >= 2 and result.counters["soak-w0"]["garbage"] > 0
     assert result.saves["saved"] > 10 * config.host_blocks and result.evicted_one_off > 0
     assert result.recurring_requests >= 10 and result.recurring_hit_rate >= 0.8
-    assert set(result.index_equal) == {"soak-e0", "soak-e1", "soak-w0"}
-    assert {"streams.tier_manager", "streams.planner_service"} <= set(result.alive)
+    assert set(result.index_equal) == {"soak-e0", "soak-e1", "soak-w0", "remote-tier"}
+    assert {"streams.tier_manager", "streams.planner_service", "streams.remote_tier_manager"} <= set(result.alive)
+    # The shared remote tier overfilled too, and its owner evicted instead of refusing the puts.
+    assert result.remote_saves["written"] > 0 and result.remote_saves["failed"] == 0
+    assert result.counters["remote-tier"]["admitted"] > 0

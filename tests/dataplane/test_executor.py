@@ -105,9 +105,19 @@ def test_remote_round_trip(tiers, remote_backend):
         cmd = _command(keys, Tier.REMOTE, Tier.GPU, tid="down").model_copy(
             update={"destination": EntryLocation(worker="w1", tier=Tier.GPU)})
         down = other.execute(cmd)
-        other.close()
         assert down.status is TransferStatus.COMPLETED, down.result.error
-        assert down.observation.observation.link == "remote->gpu"
+        obs = down.observation.observation  # what calibration fits the remote link from, per worker
+        assert obs.link == "remote->gpu" and obs.worker == "w1" and obs.ok
+        assert obs.pages == 3 and obs.bytes == 3 * BLOCK  # the block size is bytes / pages
+        # and into a worker's host tier: the remote -> host link
+        host = HostMemoryBackend(1 << 20, pin=False)
+        third = TransferExecutor(BackendCatalog("w2", [host, remote_backend]))
+        back = third.execute(_command(keys, Tier.REMOTE, Tier.HOST, tid="host").model_copy(
+            update={"destination": EntryLocation(worker="w2", tier=Tier.HOST)}))
+        assert back.status is TransferStatus.COMPLETED, back.result.error
+        assert back.observation.observation.link == "remote->host" and back.observation.observation.worker == "w2"
+        other.close()
+        third.close()
     finally:
         ex.close()
     assert data

@@ -50,3 +50,12 @@ def test_an_incarnation_starts_with_a_full_clear():
     assert facts.flush() == 2
     assert sent[0].events == (Cleared(),) and isinstance(sent[1].events[0], KeyedStored)
     assert [b.seq for b in sent] == [0, 1]
+
+
+def test_blocks_known_by_key_only_are_announced_without_token_ids():
+    keyed = [(k, BlockIdentity(IDENT, (), 2, parent=KEYS[i - 1] if i else None)) for i, k in enumerate(KEYS)]
+    (run,) = stored_events(keyed, Tier.REMOTE, 0, include_tokens=True)
+    assert run.token_ids is None and run.keys == b"".join(k.to_bytes(16, "big") for k in KEYS)
+    mixed = [keyed[0], (KEYS[1], BlockIdentity(IDENT, (1, 2), 2, parent=KEYS[0]))]
+    first, second = stored_events(mixed, Tier.REMOTE, 0, include_tokens=True)  # runs split on having tokens
+    assert first.token_ids is None and second.token_ids is not None

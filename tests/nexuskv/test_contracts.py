@@ -19,6 +19,7 @@ from nexuskv.contracts.observations import (
 )
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
+from nexuskv.contracts.tier_offers import OfferedBlock, TierOffer
 from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import KV_EVENTS, OBSERVATIONS
 from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
@@ -96,8 +97,13 @@ def samples():
                             capacity_bytes=1 << 28, used_bytes=1 << 27, reserved_bytes=4096, pinned_bytes=8192,
                             in_flight_bytes=4096, blocks=12, unannounced_blocks=2, price_s_per_gib=float("inf"),
                             price_bytes=1 << 22, counters={"demoted": 3}, published_at=4.0)
+    offer = TierOffer(offer_id="w-a/1", writer="w-a", tenant_namespace="tenant-a", identity=batch.identity,
+                      descriptor_id=batch.identity.descriptor_id, block_size=16, cache_salt="s",
+                      blocks=(OfferedBlock(key=2**128 - 1, nbytes=4096, checksum=7, position=0),
+                              OfferedBlock(key=5, parent=2**128 - 1, nbytes=4096, checksum=2**127, position=1)),
+                      offered_at=4.0)
     return [batch, tiered, *obs, plan, plan_described, decision, hint, cancel, pin, cmd, ok, late, fit_c,
-            fit_l, state, dead]
+            fit_l, state, offer, dead]
 
 
 def _topic_for(value):
@@ -114,6 +120,20 @@ def test_round_trip_through_the_topic_codec(value):
 
 def test_every_topic_has_a_sample():
     assert {_topic_for(v).name for v in samples()} == {t.name for t in TOPICS}
+
+
+def test_a_tier_offer_is_refused_when_inconsistent():
+    ident = kv_batch().identity.model_dump()
+    block = {"key": 1, "nbytes": 4096, "checksum": 7, "position": 0}
+    base = {"offer_id": "o", "writer": "w", "tenant_namespace": "t", "identity": ident,
+            "descriptor_id": ident["descriptor_id"], "block_size": 16, "blocks": [block], "offered_at": 1.0}
+    assert TierOffer.model_validate(base).nbytes == 4096
+    with pytest.raises(ContractError, match="offered twice"):
+        TierOffer.model_validate({**base, "blocks": [block, block]})
+    with pytest.raises(ContractError, match="identity"):
+        TierOffer.model_validate({**base, "descriptor_id": "sd1-other"})
+    with pytest.raises(ContractError, match="blocks"):
+        TierOffer.model_validate({**base, "blocks": []})
 
 
 def test_kv_events_are_msgpack_and_others_json():
