@@ -53,13 +53,15 @@ class RequestTraces:
         ctx = propagate.extract(dict(trace_headers))
         if not trace.get_current_span(ctx).get_span_context().is_valid:
             return
+        evicted: list[str] = []
         with self._lock:
             if request_id in self._contexts:
                 return
             self._contexts[request_id] = ctx
             while len(self._contexts) > self.capacity:
-                old, _ = self._contexts.popitem(last=False)
-                self._end_load(old, ok=False, why="forgotten: more requests in flight than the connector holds")
+                evicted.append(self._contexts.popitem(last=False)[0])
+        for old in evicted:
+            self._end_load(old, ok=False, why="forgotten: more requests in flight than the connector holds")
 
     def _context(self, request_id: str) -> otel_context.Context | None:
         with self._lock:

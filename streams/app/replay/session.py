@@ -158,7 +158,7 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
     replay_id = f"replay-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     store = DecisionStore(config.db)
     results: dict[str, RunResult] = {}
-    tracing = ReplayTracing.start(config.trace_to)
+    tracing = ReplayTracing.start(config.trace_to, replay_id)
     if tracing.enabled:
         say(f"nexuskv replay: tracing every request of both runs to {config.trace_to}")
     try:

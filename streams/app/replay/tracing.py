@@ -76,15 +76,17 @@ class ReplayTracing:
     """
 
     endpoint: str | None
+    replay_id: str | None = None  # on every root span: which replay a trace belongs to
     _provider: Any = None
     _tracer: trace.Tracer | None = None
 
     @classmethod
-    def start(cls, endpoint: str | None) -> ReplayTracing:
+    def start(cls, endpoint: str | None, replay_id: str | None = None) -> ReplayTracing:
         if endpoint is None:
-            return cls(None, None, trace.NoOpTracer())
+            return cls(None, replay_id, None, trace.NoOpTracer())
         provider = setup_tracing(REPLAY_SERVICE, endpoint)
-        return cls(endpoint, provider, provider.get_tracer("nexuskv.replay") if provider else trace.NoOpTracer())
+        return cls(endpoint, replay_id, provider,
+                   provider.get_tracer("nexuskv.replay") if provider else trace.NoOpTracer())
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -100,6 +102,8 @@ class ReplayTracing:
         with self.tracer.start_as_current_span("replay.request", kind=trace.SpanKind.CLIENT,
                                                attributes={"nexuskv.service": REPLAY_SERVICE, "nexuskv.run": run,
                                                            "nexuskv.replay_request": request_id,
+                                                           **({"nexuskv.replay_id": self.replay_id}
+                                                              if self.replay_id else {}),
                                                            **attributes}) as span:
             yield span
 
