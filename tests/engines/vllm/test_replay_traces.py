@@ -83,7 +83,7 @@ def test_a_traced_replay_is_one_jaeger_trace_per_request_with_vllms_span(tmp_pat
     for name in ("NEXUSKV_BROKER", "NEXUSKV_OTLP_ENDPOINT"):  # its own embedded broker; the flag names the export
         env.pop(name, None)
     cmd = [sys.executable, "-m", "streams.app.cli", "replay", str(trace), "--requests", "4", "--warmup", "2",
-           "--workers", "1", "--engine-blocks", "24", "--hash-block-tokens", "32", "--max-prompt-tokens", "1024",
+           "--workers", "1", "--engine-blocks", "24", "--hash-block-tokens", "32", "--max-prompt-tokens", "704",
            "--max-output-tokens", "2", "--time-scale", "6", "--out", str(out), "--no-progress",
            "--trace-to", jaeger.otlp_http_url]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1400, check=False)
