@@ -7,7 +7,8 @@ whether the outputs differ (greedy: they must not), and for the NexusKV run the 
 predicted EG beside observed, and the relative error of the predicted TTFT, before and after the
 warm-up. Plus the NexusKV run's routing decisions by action, tokens reused by source tier, and the
 loads the engines' connectors decided: planned vs completed, and tokens loaded per tier
-(``replay_loads``).
+(``replay_loads``). A traced replay (``--trace-to``) also names the traces to open first
+(:class:`TracePointers`): each run's slowest measured request, and the request NexusKV improved most.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import duckdb
 
-__all__ = ["RunFigures", "ReplayFigures", "replay_figures", "latest_replay_id"]
+__all__ = ["RunFigures", "ReplayFigures", "TracePointers", "TracedRequest", "replay_figures", "latest_replay_id"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,21 @@ class RunFigures:
     p99_e2e_s: float | None
     prompt_tokens: int
     recomputed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TracedRequest:
+    """One request of a traced replay, and the trace(s) to open in Jaeger (by run)."""
+
+    request_id: str
+    seconds: float  # its TTFT (slowest) or its observed EG (most improved)
+    trace_ids: dict[str, str]  # run -> trace id
+
+
+@dataclass(frozen=True, slots=True)
+class TracePointers:
+    slowest: dict[str, TracedRequest]  # by run: its slowest measured request (TTFT)
+    most_improved: TracedRequest | None  # the largest observed EG (baseline TTFT - NexusKV TTFT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class ReplayFigures:
     transfers_completed: int
     transfers_fell_back: int  # recomputed instead: the load failed or came too late
     tokens_loaded_by_tier: dict[str, int]
+    traces: TracePointers | None = None  # a traced replay's requests to open first
 
     def ratio(self, field_name: str) -> float | None:
         """NexusKV / baseline of a RunFigures field over the measured requests."""
@@ -75,6 +92,27 @@ def _runs(con: duckdb.DuckDBPyConnection, replay_id: str, phase: str) -> dict[st
         "prompt_tokens, recomputed_tokens FROM replay_summary WHERE replay_id = ? AND phase = ?",
         [replay_id, phase]).fetchall()
     return {r[0]: RunFigures(*r[:9], int(r[9] or 0), int(r[10] or 0)) for r in rows}
+
+
+def _traces(con: duckdb.DuckDBPyConnection, replay_id: str) -> TracePointers | None:
+    slowest = {
+        run: TracedRequest(rid, ttft, {run: tid}) for run, rid, ttft, tid in con.execute(
+            "SELECT run, arg_max(request_id, ttft_s), max(ttft_s), arg_max(trace_id, ttft_s) FROM replay_requests "
+            "WHERE replay_id = ? AND NOT warmup AND ttft_s IS NOT NULL AND trace_id IS NOT NULL GROUP BY run "
+            "ORDER BY run", [replay_id]).fetchall()}
+    if not slowest:
+        return None
+    best = con.execute(
+        "SELECT c.request_id, c.observed_eg_s, b.trace_id, n.trace_id FROM replay_comparison c "
+        "JOIN replay_requests b ON b.replay_id = c.replay_id AND b.request_id = c.request_id AND b.run = 'baseline' "
+        "JOIN replay_requests n ON n.replay_id = c.replay_id AND n.request_id = c.request_id AND n.run = 'nexuskv' "
+        "WHERE c.replay_id = ? AND NOT c.warmup AND c.observed_eg_s IS NOT NULL AND n.trace_id IS NOT NULL "
+        "ORDER BY c.observed_eg_s DESC, c.seq LIMIT 1", [replay_id]).fetchall()
+    improved = None
+    if best:
+        rid, eg, base, nkv = best[0]
+        improved = TracedRequest(rid, eg, {k: v for k, v in (("baseline", base), ("nexuskv", nkv)) if v})
+    return TracePointers(slowest, improved)
 
 
 def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None) -> ReplayFigures | None:
@@ -112,7 +150,7 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         actions={k: int(v) for k, v in actions.items()},
         reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
         transfers_completed=completed, transfers_fell_back=fell_back,
-        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads})
+        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads}, traces=_traces(con, replay_id))
 
 
 def _s(v: float | None, unit: str = "s") -> str:
@@ -153,6 +191,15 @@ def render(fig: ReplayFigures) -> str:
                      + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else "")
                      + "; tokens loaded by tier: "
                      + (", ".join(f"{k} {v}" for k, v in fig.tokens_loaded_by_tier.items()) or "none"))
+    if fig.traces is not None:
+        t = fig.traces
+        parts = [f"slowest {run} request {x.request_id} (TTFT {x.seconds:.3f} s): trace {x.trace_ids[run]}"
+                 for run, x in t.slowest.items()]
+        if t.most_improved is not None:
+            x = t.most_improved
+            parts.append(f"most improved {x.request_id} (observed EG {x.seconds:.3f} s): "
+                         + ", ".join(f"{run} trace {tid}" for run, tid in x.trace_ids.items()))
+        lines.append("traces to open (Jaeger: /trace/<id>): " + "; ".join(parts))
     warm = [r for r in ("baseline", "nexuskv") if r in fig.warmup]
     if warm:
         lines.append("warm-up (excluded above): " + "; ".join(

@@ -143,6 +143,7 @@ TABLES: dict[str, str] = {
             decision_id VARCHAR,                   -- the planner's request id in decisions (nexuskv run)
             engine_request_id VARCHAR,             -- the engine's id of the request (its connector's decisions)
             error VARCHAR,
+            trace_id VARCHAR,                      -- the request's OpenTelemetry trace (a traced replay)
             PRIMARY KEY (replay_id, run, request_id)
         )""",
 }

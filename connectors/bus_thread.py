@@ -53,7 +53,8 @@ class _Sender:
     def _init_sender(self) -> None:
         self.send_failures = 0
 
-    async def _send(self, record: Contract, topic: Topic | None, key: str | None) -> None:
+    async def _send(self, record: Contract, topic: Topic | None, key: str | None,
+                    headers: list[tuple[str, bytes]] | None = None) -> None:
         from streams.bus.clients import send
         from streams.bus.topic_keys import route
 
@@ -61,7 +62,7 @@ class _Sender:
             raise BrokerError(f"{self.client_id}: the bus is not started")
         if topic is None or key is None:
             topic, key = route(record)
-        await send(self._producer, topic, key, record)  # type: ignore[arg-type]
+        await send(self._producer, topic, key, record, headers)  # type: ignore[arg-type]
 
     def _sent(self, future: concurrent.futures.Future) -> None:
         exc = future.exception()
@@ -70,9 +71,10 @@ class _Sender:
             log.warning("%s: a record was not sent: %s", self.client_id, exc)
 
     def send(self, record: Contract, *, topic: Topic | None = None, key: str | None = None, wait: bool = False,
-             timeout_s: float = 30.0) -> None:
-        """Send ``record`` (to its routed topic and key unless both are given); ``wait`` for the ack."""
-        future = asyncio.run_coroutine_threadsafe(self._send(record, topic, key), self._loop)
+             timeout_s: float = 30.0, headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Send ``record`` (to its routed topic and key unless both are given); ``wait`` for the ack.
+        ``headers`` go with it (a request's trace context: this thread has none of its own)."""
+        future = asyncio.run_coroutine_threadsafe(self._send(record, topic, key, headers), self._loop)
         if wait:
             future.result(timeout_s)
         else:

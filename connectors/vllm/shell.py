@@ -30,6 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connectors.vllm.config import CPU_PROFILE, ConnectorConfig, KvCacheShape
 from connectors.vllm.meta import ConnectorMeta, WorkerReport
 from connectors.vllm.scheduler_side import Scheduled
+from connectors.vllm.tracing import RequestTraces
 from connectors.vllm.worker_side import block_dims
 from nexuskv.descriptor import Tier
 from nexuskv.errors import ConfigError
@@ -116,8 +117,9 @@ class NexusKVConnector(KVConnectorBase_V1):
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._scheduler = self._worker = self._bus = self._producer = None
         self._live: dict[str, Any] = {}
+        self._traces = RequestTraces()  # each request's trace (vLLM's trace_headers), for the connector's spans
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler, self._bus = build_scheduler_side(self._config)
+            self._scheduler, self._bus = build_scheduler_side(self._config, traces=self._traces)
         else:
             # vLLM 0.32 calls wait_for_layer_load before every attention layer of a step with
             # connector metadata (vllm/model_executor/layers/attention/kv_transfer_utils.py).
@@ -140,6 +142,7 @@ class NexusKVConnector(KVConnectorBase_V1):
         if not plain(request):
             return 0, False
         self._live.setdefault(request.request_id, request)
+        self._traces.track(request.request_id, getattr(request, "trace_headers", None))
         self._scheduler.track(request.request_id, request.all_token_ids, request.num_prompt_tokens)
         return self._scheduler.num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
 
@@ -148,6 +151,10 @@ class NexusKVConnector(KVConnectorBase_V1):
             return
         ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self._scheduler.update_state_after_alloc(request.request_id, list(ids), num_external_tokens)
+        if num_external_tokens > 0:
+            tier = self._scheduler.source_tier(request.request_id)
+            self._traces.load_started(request.request_id, tier=tier.value if tier is not None else None,
+                                      tokens=num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
@@ -168,12 +175,18 @@ class NexusKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._live.pop(request.request_id, None)
+        self._traces.forget(request.request_id)
         return self._scheduler.request_finished(request.request_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, NexusKVWorkerMetadata) else None
         self._scheduler.update_connector_output(report, tuple(connector_output.finished_recving or ()))
+        if report is not None:
+            for request_id in report.loads_failed:
+                self._traces.load_finished(request_id, ok=False)
+            for request_id in report.loads_done:
+                self._traces.load_finished(request_id, ok=True)
 
     def take_events(self) -> tuple:
         return ()  # the tiers' facts are published by their own publisher, not in the engine's events

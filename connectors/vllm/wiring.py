@@ -27,6 +27,7 @@ from connectors.index_client import client_from_settings
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.scheduler_side import Readable, SchedulerSide
 from connectors.vllm.tier_publisher import TierPublisher
+from connectors.vllm.tracing import RequestTraces
 from connectors.vllm.worker_side import WorkerSide, tier_held
 from nexuskv.config import Settings
 from nexuskv.contracts.topics import DECISIONS
@@ -58,8 +59,10 @@ def _broker(settings: Settings):
 
 
 def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None = None,
-                         base_model: CostModel | None = None) -> tuple[SchedulerSide, BackgroundBus]:
-    """The scheduler side on a started background bus (stop the bus when done: it closes the index client)."""
+                         base_model: CostModel | None = None,
+                         traces: RequestTraces | None = None) -> tuple[SchedulerSide, BackgroundBus]:
+    """The scheduler side on a started background bus (stop the bus when done: it closes the index client).
+    With ``traces``, each decision record carries its request's trace (:mod:`connectors.vllm.tracing`)."""
     from nexuskv.dataplane.disk import stored_header
     from nexuskv.dataplane.remote import RemoteBackend
 
@@ -89,7 +92,8 @@ def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None =
     shared = frozenset({Tier.REMOTE}) if settings.remote_tier else frozenset()
 
     def on_decision(decision: Any) -> None:
-        bus.send(decision, topic=DECISIONS, key=decision.request_id)
+        headers = traces.decided(decision) if traces is not None else None
+        bus.send(decision, topic=DECISIONS, key=decision.request_id, headers=headers or None)
 
     side = SchedulerSide(config.descriptor, worker=config.worker, index=index, model=lambda: bus.model,
                          execution=lambda: policy, readable=Readable(config.worker, own, shared), probe=probe,

@@ -127,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--gpu-pages", type=int, default=160, help="reference engine: KV page pool, in blocks")
     replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
     replay.add_argument("--no-progress", action="store_true")
+    replay.add_argument("--trace-to", default=None, metavar="URL",
+                        help="export one OpenTelemetry trace per request of both runs (vLLM's own span included) "
+                             "to this OTLP/HTTP base URL, e.g. a `nexuskv jaeger`'s http://127.0.0.1:4318 "
+                             "(default: NEXUSKV_OTLP_ENDPOINT; unset: no export)")
     replay.set_defaults(func=_cmd_replay)
 
     report = sub.add_parser("report", help="print a decision store's key tables and write its plots")
@@ -276,7 +280,8 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
                           time_scale=args.time_scale or 6.0, warmup=args.warmup)
     config = ReplayConfig(trace=args.trace, out=out, shape=shape, workers=args.workers or 2, model_dir=args.model,
                           model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype,
-                          runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()))
+                          runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()),
+                          trace_to=args.trace_to or settings.otlp_endpoint)
     outcome = run_replay(config, settings, progress=not args.no_progress)
     tables, plots = report(config.db, out / "report")
     print(tables)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -33,7 +33,9 @@ class Completion:
 
 async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens: tuple[int, ...], max_tokens: int,
                    *, request_id: str, timeout_s: float = 300.0,
-                   on_first_token: Callable[[], None] | None = None) -> Completion:
+                   on_first_token: Callable[[], None] | None = None,
+                   headers: Mapping[str, str] | None = None) -> Completion:
+    """``headers`` go with the request (the trace context: vLLM continues a W3C ``traceparent``)."""
     body = {"model": model, "prompt": list(tokens), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}
@@ -44,7 +46,7 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens:
     usage: dict = {}
     engine_id: str | None = None
     try:
-        async with session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id},
+        async with session.post(f"{url}/v1/completions", json=body, headers={**(headers or {}), "X-Request-Id": request_id},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 text = await resp.text()

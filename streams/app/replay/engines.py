@@ -65,6 +65,7 @@ class EngineConfig:
     kv_transfer_config: Mapping[str, object] | None = None
     kv_events_config: Mapping[str, object] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()  # more flags of vLLM's server (the trace export's)
 
     def __post_init__(self) -> None:
         if self.block_size % 32:
@@ -85,7 +86,7 @@ class EngineConfig:
                      "--prefix-caching-hash-algo", "sha256_cbor"]
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
-        return argv
+        return argv + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

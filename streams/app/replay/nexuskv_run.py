@@ -40,6 +40,7 @@ from nexuskv.hf_config import descriptor_from_hf_config
 from streams.app.replay.engines import CONNECTOR_CLASS, CONNECTOR_MODULE
 from streams.app.replay.routing import PlannerRouter
 from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, serve_stream, start_engines
+from streams.app.replay.tracing import ReplayTracing, service_trace_env
 from streams.app.replay.workload import Workload
 from streams.app.services import SERVICES, start_services
 from streams.bus.broker import open_bus
@@ -92,12 +93,14 @@ class _Bridge:
 
 
 async def _serve_with_sink(url, store: DecisionStore, workload: Workload, engines, router: PlannerRouter,
-                           progress, served_name: str) -> RunResult:
+                           progress, served_name: str, tracing: ReplayTracing,
+                           baseline_ttft: dict[str, float]) -> RunResult:
     stop = asyncio.Event()
     sink = DecisionSink(url, store, group_id=f"{router.prefix}-sink", flush_interval_s=0.25)
     sink_task = asyncio.create_task(sink.run(stop))
     try:
-        result = await serve_stream(workload, engines, served_name, router, name="nexuskv", progress=progress)
+        result = await serve_stream(workload, engines, served_name, router, name="nexuskv", progress=progress,
+                                    tracing=tracing, baseline_ttft=baseline_ttft)
         expected = {f"{router.prefix}/{r.request_id}" for r in workload.requests}
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:  # the records of every request are stored before anything stops
@@ -115,7 +118,9 @@ async def _serve_with_sink(url, store: DecisionStore, workload: Workload, engine
 
 
 def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings, store: DecisionStore, replay_id: str,
-                progress) -> tuple[RunResult, list[str]]:
+                progress, *, tracing: ReplayTracing | None = None,
+                baseline_ttft: dict[str, float] | None = None) -> tuple[RunResult, list[str]]:
+    tracing = tracing or ReplayTracing.start(None)
     root = config.out / "nexuskv"
     data_dir, log_dir = root / "data", root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +137,8 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
     run_dir = Path(tempfile.mkdtemp(prefix="nexuskv-replay-", dir="/tmp"))
     socket = run_dir / "index.sock"
     service_env = {"NEXUSKV_DATA_DIR": str(data_dir), "NEXUSKV_CALIBRATION_MIN_OBSERVATIONS": str(MIN_OBSERVATIONS),
-                   "NEXUSKV_CALIBRATION_PUBLISH": "0.5", "NEXUSKV_INDEX_SOCKET": str(socket)}
+                   "NEXUSKV_CALIBRATION_PUBLISH": "0.5", "NEXUSKV_INDEX_SOCKET": str(socket),
+                   **service_trace_env(config.trace_to)}
     with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
         engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir),
@@ -157,7 +163,7 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
         setup = RunSetup("nexuskv", model_dir, SERVED_NAME, config.workers, config.block_size,
                          config.engine_blocks, config.max_model_len, log_dir, dtype=config.engine_dtype,
                          kv_transfer_config=connector,
-                         kv_events_config=kv_events, engine_env=engine_env)
+                         kv_events_config=kv_events, engine_env=engine_env, trace_to=config.trace_to)
         services = tuple(s for s in SERVICES if s.name in SERVICE_NAMES)
         with start_services(url, local, services=services, env=service_env):
             bridge_env = dict(os.environ, **engine_env)
@@ -171,9 +177,10 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                 for b in bridges:
                     b.wait_ready(60.0)
                 _wait_for(socket, 60.0, "the index sidecar's socket")
-                router = PlannerRouter(url, descriptor, tuple(workers), CPU_PROFILE, prefix=replay_id)
+                router = PlannerRouter(url, descriptor, tuple(workers), CPU_PROFILE, prefix=replay_id,
+                                       tracer=tracing.tracer)
                 result = asyncio.run(_serve_with_sink(url, store, workload, engines, router, progress,
-                                                      SERVED_NAME))
+                                                      SERVED_NAME, tracing, baseline_ttft or {}))
                 result.engine_ready_s = ready
             finally:
                 for e in engines:

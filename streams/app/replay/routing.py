@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from nexuskv.config import BrokerUrl
 from nexuskv.contracts import codec
 from nexuskv.contracts.decisions import Decision
@@ -86,7 +88,9 @@ class PlannerRouter:
 
     The request's canonical keys are computed here, at the edge that knows the scope (the same
     descriptor and tenant the engines' connectors and bridges key their blocks in), so the
-    planner never sees token ids.
+    planner never sees token ids. Each route is a ``router.plan`` span of ``tracer``, current while
+    the plan request is sent: the request's Kafka headers carry it to the planner, and its trace id
+    goes in the plan request (the decision records name it).
     """
 
     url: BrokerUrl
@@ -96,6 +100,7 @@ class PlannerRouter:
     prefix: str
     timeout_s: float = 60.0
     loads_own_tiers: bool = True  # vLLM's NexusKV connector reads the worker's own disk tier itself
+    tracer: trace.Tracer = field(default_factory=trace.NoOpTracer)
     _decisions: dict[str, Decision] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _producer: object = None
@@ -128,15 +133,31 @@ class PlannerRouter:
             await consumer.stop()
 
     async def route(self, rid: str, tokens: Sequence[int], loads: Loads, arrival_at: float) -> Routed:
+        pid = f"{self.prefix}/{rid}"
+        with self.tracer.start_as_current_span("router.plan", kind=trace.SpanKind.PRODUCER,
+                                               attributes={"nexuskv.service": "replay-router",
+                                                           "nexuskv.request_id": pid}) as span:
+            routed = await self._route(pid, tokens, loads, arrival_at, span)
+            d = routed.decision
+            if d is not None:
+                span.set_attributes({"nexuskv.action": d.action.value, "nexuskv.worker": d.worker,
+                                     "nexuskv.reused_tokens": d.reused_tokens, "nexuskv.eg_s": d.eg_s,
+                                     "nexuskv.tier": d.source.tier.value if d.source is not None else "none",
+                                     "nexuskv.routing_s": routed.routing_s})
+            return routed
+
+    async def _route(self, pid: str, tokens: Sequence[int], loads: Loads, arrival_at: float,
+                     span: trace.Span) -> Routed:
         started = time.perf_counter()
         d = self.descriptor
         keys = self._keyer.keys(list(tokens))  # type: ignore[union-attr]
         candidates = tuple(loads.worker_load(i, w, self.profile, loads_own_tiers=self.loads_own_tiers)
                            for i, w in enumerate(self.workers))
-        pid = f"{self.prefix}/{rid}"
+        ctx = span.get_span_context()
         request = PlanRequest(request_id=pid, scope=IdentityScope.of(d), block_size=d.block_size,
                               prompt_tokens=len(tokens), keys=tuple(keys), arrival_at=arrival_at,
-                              candidates=candidates, workload="replay", descriptor=d)
+                              candidates=candidates, workload="replay", descriptor=d,
+                              trace_id=format(ctx.trace_id, "032x") if ctx.is_valid else None)
         await send(self._producer, PLAN_REQUESTS, pid, request)
         deadline = time.monotonic() + self.timeout_s
         while (decision := self._decisions.get(pid)) is None:

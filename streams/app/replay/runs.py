@@ -14,7 +14,8 @@ prompt (so the engines' first-request costs are not in the figures), then sends 
 request ``i`` leaves at ``t0 + arrival_s``, whatever the state of the others. Each request is timed
 at the client (:mod:`streams.app.replay.client`), from its arrival at the router: its TTFT is the
 router's decision time plus the engine's time to first token. It is stored in ``replay_requests``
-with its run.
+with its run, and with its trace id when the replay is traced (:mod:`~streams.app.replay.tracing`:
+one trace per request, the engine's own span included).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ import aiohttp
 from streams.app.replay.client import Completion, complete
 from streams.app.replay.engines import EngineConfig, VllmEngine
 from streams.app.replay.routing import LeastOutstanding, Loads, PlannerRouter, Routed
+from streams.app.replay.tracing import ReplayTracing, engine_args, engine_trace_env, trace_id_of
 from streams.app.replay.workload import ReplayRequest, Workload
 
-__all__ = ["SERVED_NAME", "RunSetup", "RunResult", "serve_stream", "request_row", "run_row", "start_engines"]
+__all__ = ["SERVED_NAME", "RunSetup", "RunResult", "outcome_attributes", "serve_stream", "request_row", "run_row",
+           "start_engines"]
 
 SERVED_NAME = "nexuskv-replay"  # the model's name at the engines' OpenAI endpoint
 WARM_PROMPT = tuple(range(4, 36))  # one block of token ids no trace prompt starts with
@@ -56,14 +59,16 @@ class RunSetup:
     kv_transfer_config: Callable[[int, str], dict] | None = None  # (engine index, worker name) -> config
     kv_events_config: Callable[[int, str], dict] | None = None
     engine_env: dict[str, str] = field(default_factory=dict)
+    trace_to: str | None = None  # OTLP/HTTP base URL the engines export their request spans to
 
     def engine_config(self, i: int, worker: str, cores: int) -> EngineConfig:
+        env = {**self.engine_env, **engine_trace_env(self.trace_to, f"{self.name}-engine{i}")}
         return EngineConfig(model_dir=self.model_dir, served_name=self.served_name, block_size=self.block_size,
                             max_model_len=self.max_model_len, num_blocks=self.engine_blocks, dtype=self.dtype,
                             core=i % cores if self.workers <= cores else None,
                             kv_transfer_config=self.kv_transfer_config(i, worker) if self.kv_transfer_config else None,
                             kv_events_config=self.kv_events_config(i, worker) if self.kv_events_config else None,
-                            env=self.engine_env)
+                            env=env, extra_args=tuple(engine_args(self.trace_to)))
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class Served:
     engine: int
     routed: Routed
     completion: Completion
+    trace_id: str | None = None  # the request's trace, when the replay is traced
 
 
 @dataclass(slots=True)
@@ -101,10 +107,14 @@ async def _warm(session: aiohttp.ClientSession, engines: Sequence[VllmEngine], s
 
 async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served_name: str,
                        router: LeastOutstanding | PlannerRouter, *, name: str,
-                       progress: Callable[[int], None] = lambda n: None, settle_s: float = 2.0) -> RunResult:
+                       progress: Callable[[int], None] = lambda n: None, settle_s: float = 2.0,
+                       tracing: ReplayTracing | None = None,
+                       baseline_ttft: dict[str, float] | None = None) -> RunResult:
     """Serve the warm-up one request after another, wait ``settle_s`` (the calibration publishes its fit),
     then send the measured requests at their arrival times (relative to the first measured one);
-    returns every request as served."""
+    returns every request as served. Each request is one trace under ``tracing``; ``baseline_ttft``
+    (the baseline run's TTFT by request id) puts each request's observed EG on its span."""
+    tracing = tracing or ReplayTracing.start(None)
     loads = Loads.of(len(engines))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -119,15 +129,20 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
             if delay > 0:
                 await asyncio.sleep(delay)
             rid = r.request_id
-            routed = await router.route(rid, r.tokens, loads, time.time())
-            i = routed.engine
-            loads.sent(i, rid, len(r.tokens))
-            try:
-                done = await complete(session, engines[i].url, served_name, r.tokens, r.output_tokens,
-                                      request_id=f"{name}-{rid}", on_first_token=lambda: loads.first_token(i, rid))
-            finally:
-                loads.first_token(i, rid)
-            served.append(Served(r, i, routed, done))
+            with tracing.request(name, rid, {"nexuskv.seq": r.seq, "nexuskv.warmup": r.warmup,
+                                             "nexuskv.prompt_tokens": len(r.tokens)}) as span:
+                routed = await router.route(rid, r.tokens, loads, time.time())
+                i = routed.engine
+                loads.sent(i, rid, len(r.tokens))
+                try:
+                    with tracing.completion(engines[i].url) as headers:
+                        done = await complete(session, engines[i].url, served_name, r.tokens, r.output_tokens,
+                                              request_id=f"{name}-{rid}", headers=headers,
+                                              on_first_token=lambda: loads.first_token(i, rid))
+                finally:
+                    loads.first_token(i, rid)
+                span.set_attributes(outcome_attributes(routed, done, (baseline_ttft or {}).get(rid)))
+                served.append(Served(r, i, routed, done, trace_id_of(span)))
             progress(1)
 
         warmup = [r for r in workload.requests if r.warmup]
@@ -149,6 +164,28 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
     return RunResult(name, served, started_at, wall, [])
 
 
+def outcome_attributes(routed: Routed, done: Completion, baseline_ttft_s: float | None) -> dict:
+    """A served request's figures as span attributes: its TTFT as the user saw it, and in the NexusKV
+    run the decision's action, tier, reused tokens, predicted EG and (against the baseline run's TTFT
+    of the same request) observed EG."""
+    attrs: dict = {"nexuskv.engine_worker": routed.engine, "nexuskv.cached_tokens": done.cached_tokens,
+                   "nexuskv.routing_s": routed.routing_s}
+    ttft = None if done.error else routed.routing_s + done.ttft_s
+    if ttft is not None:
+        attrs["nexuskv.ttft_s"] = ttft
+    if done.error:
+        attrs["error.type"] = done.error[:200]
+    d = routed.decision
+    if d is not None:
+        attrs.update({"nexuskv.action": d.action.value, "nexuskv.reused_tokens": d.reused_tokens,
+                      "nexuskv.predicted_eg_s": d.eg_s, "nexuskv.predicted_ttft_s": d.t_with_reuse_s,
+                      "nexuskv.tier": d.source.tier.value if d.source is not None else "none",
+                      "nexuskv.decision_id": d.request_id})
+        if ttft is not None and baseline_ttft_s is not None:
+            attrs["nexuskv.observed_eg_s"] = baseline_ttft_s - ttft
+    return attrs
+
+
 def _digest(ids: Sequence[int]) -> str:
     return hashlib.blake2b(json.dumps(list(ids)).encode(), digest_size=8).hexdigest()
 
@@ -163,7 +200,7 @@ def request_row(replay_id: str, run: str, s: Served, workers: Sequence[str]) -> 
             "output_tokens": len(c.output_ids), "output_digest": _digest(c.output_ids),
             "routing_s": s.routed.routing_s,
             "decision_id": s.routed.decision.request_id if s.routed.decision is not None else None,
-            "engine_request_id": c.engine_request_id, "error": c.error}
+            "engine_request_id": c.engine_request_id, "error": c.error, "trace_id": s.trace_id}
 
 
 def run_row(replay_id: str, result: RunResult, *, engine: str, engines: int, model: str, router: str,

