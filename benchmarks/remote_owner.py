@@ -14,9 +14,15 @@ against the same store (emptied between arms), in alternating order across ``--r
   :class:`~nexuskv.dataplane.remote_ledger.RemoteLedger`, default watermarks) decides each offer,
   sees each prefetch as a transfer reading the tier (kept while it reads, a use), keeps headroom
   after every prompt (the service does it every ``NEXUSKV_TIER_STATE_INTERVAL``) and sweeps every
-  20 prompts.
+  20 prompts. Its reuse half-life (``--half-life``, 5 s) is about the time within which state is
+  reused here (a prefix is read ``--lag`` prompts after its save), as ``soak_tiers`` sets it;
+* **owner-600s**: the same with the default ``NEXUSKV_TIER_REUSE_HALF_LIFE`` of 600 s (in the
+  details only): a prefix read once outranks every newer one that has not been read yet for
+  minutes, so the owner keeps the old and evicts the new.
 
-A prefetch is a hit when every block of the prefix reads back verified. Figures (medians of the
+A prefetch is a hit when every block of the prefix reads back verified. ``blocks_saved`` counts
+successful puts (the unmanaged writer re-puts the hot prefix each time; the owner arm's writer
+skips what the store holds under the same header). Figures (medians of the
 per-run ratios, owner over unmanaged): the share of new-prefix prefetches that hit
 (``remote_owner_hits``) and the failed block saves (``remote_owner_failed_saves``). The owner is
 called in process: the bus between writer and owner (``nexuskv.tier-offers``, Kafka) is not in
@@ -76,6 +82,13 @@ class ArmResult:
     evicted: int
     refused: int
     seconds: float
+    first_failure: int | None  # the first prompt whose save failed
+    outcomes: tuple[bool, ...]  # each prefetch's hit, in order: prefetch j reads what prompt j saved
+
+    def hit_rate_from(self, prompt: int) -> float | None:
+        """The share of hits among prefetches of prompts saved from ``prompt`` on."""
+        tail = self.outcomes[prompt:]
+        return sum(tail) / len(tail) if tail else None
 
     @property
     def hit_rate(self) -> float:
@@ -105,7 +118,7 @@ def _readable(backend: RemoteBackend, chain: list[SaveBlock]) -> bool:
 
 
 def run_arm(arm: str, backend: RemoteBackend, *, prompts: int, hot_blocks: int, new_blocks: int, lag: int,
-            layers: int, seed: int) -> ArmResult:
+            layers: int, seed: int, half_life_s: float = 5.0) -> ArmResult:
     """One arm over ``prompts`` prompts (the same ones for a given ``seed``) against an emptied store."""
     backend.clear()
     d = known_model("meta-llama/Llama-3.1-8B", tenant_namespace=TENANT, num_layers=layers)
@@ -115,14 +128,17 @@ def run_arm(arm: str, backend: RemoteBackend, *, prompts: int, hot_blocks: int, 
                                  tokenizer_revision=d.tokenizer_revision, descriptor_id=d.descriptor_id,
                                  engine_family="bench")
     owner: RemoteTierOwner | None = None
-    if arm == "owner":
-        owner = build(Settings.from_env({}), backend, publish=lambda _b: None)
+    if arm.startswith("owner"):
+        owner = build(Settings.from_env({"NEXUSKV_TIER_REUSE_HALF_LIFE": str(half_life_s)}), backend,
+                      publish=lambda _b: None)
         owner.facts = TierFacts(OWNER, None)  # the decisions, not the bus: nothing is published
     bs = d.block_size
     gen = torch.Generator().manual_seed(seed)
     hot = torch.randint(1, 50_000, (hot_blocks * bs,), generator=gen).tolist()
     saved: list[list[SaveBlock]] = []
     blocks_saved = failed = prefetches = hits = hot_hits = 0
+    first_failure: int | None = None
+    outcomes: list[bool] = []  # per prefetch, in prompt order (prefetch j reads prompt j)
     t0 = time.perf_counter()
     for i in range(prompts):
         tail = torch.randint(1, 50_000, (new_blocks * bs,), generator=gen).tolist()
@@ -135,19 +151,22 @@ def run_arm(arm: str, backend: RemoteBackend, *, prompts: int, hot_blocks: int, 
                     blocks_saved += 1
                 except DataPlaneError:
                     failed += 1
+                    first_failure = i if first_failure is None else first_failure
         else:
             save = save_and_offer(backend, chain, writer="bench-writer", tenant=TENANT, identity=identity,
                                   block_size=bs, offer_id=f"{arm}-{i}", now=time.time())
             blocks_saved += save.written
             failed += save.failed
+            if save.failed and first_failure is None:
+                first_failure = i
             for offer in save.offers:
                 owner.handle_offer(offer)
             owner.keep_headroom()
             if i % 20 == 19:
                 owner.sweep()
         saved.append(chain)
-        if i >= lag:  # another worker prefetches the prefix saved `lag` prompts ago
-            target = saved[i - lag]
+        if len(saved) > lag:  # another worker prefetches the prefix saved `lag` prompts ago
+            target = saved[-(lag + 1)]
             cmd = None
             if owner is not None:
                 now = time.time()
@@ -161,18 +180,26 @@ def run_arm(arm: str, backend: RemoteBackend, *, prompts: int, hot_blocks: int, 
             prefetches += 1
             hit = _readable(backend, target)
             hits += hit
+            outcomes.append(hit)
             hot_hits += _readable(backend, target[:hot_blocks])
             if owner is not None and cmd is not None:
                 now = time.time()
                 owner.result(TransferResult(transfer_id=cmd.transfer_id, request_id=cmd.request_id,
                                             status=TransferStatus.COMPLETED if hit else TransferStatus.NOT_FOUND,
                                             source=cmd.source, destination=cmd.destination, started_at=now,
-                                            finished_at=now))
+                                            finished_at=now, error=None if hit else "a block was not there"))
         saved = saved[-(lag + 1):]
     seconds = time.perf_counter() - t0
     counters = owner.ledger.counters if owner is not None else {}
     return ArmResult(arm, prompts, blocks_saved, failed, prefetches, hits, hot_hits, counters.get("evicted", 0),
-                     counters.get("refused", 0), round(seconds, 2))
+                     counters.get("refused", 0), round(seconds, 2), first_failure, tuple(outcomes))
+
+
+def _after_fill(got: dict[str, ArmResult], arm: str) -> float | None:
+    """``arm``'s hit rate over the prefetches of prompts saved once the unmanaged store first
+    refused a save (the same prompts in every arm of a run)."""
+    fill = got["unmanaged"].first_failure
+    return None if fill is None else got[arm].hit_rate_from(fill)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-blocks", type=int, default=8)
     ap.add_argument("--lag", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--half-life", type=float, default=5.0,
+                    help="the owner's reuse half-life (NEXUSKV_TIER_REUSE_HALF_LIFE), about the time within which "
+                         "state is reused here; the owner-600s arm runs the default")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     from tests.dataplane.remote_stores import Store
@@ -195,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     arms: list[dict[str, ArmResult]] = []
     try:
         for r in range(args.runs):
-            order = ("unmanaged", "owner") if r % 2 == 0 else ("owner", "unmanaged")
+            order = ("unmanaged", "owner", "owner-600s") if r % 2 == 0 else ("owner-600s", "owner", "unmanaged")
             got = {}
             for arm in order:
                 load.append(psutil.getloadavg()[0])
                 got[arm] = run_arm(arm, backend, prompts=args.prompts, hot_blocks=args.hot_blocks,
-                                   new_blocks=args.new_blocks, lag=args.lag, layers=args.layers, seed=r)
+                                   new_blocks=args.new_blocks, lag=args.lag, layers=args.layers, seed=r,
+                                   half_life_s=600.0 if arm == "owner-600s" else args.half_life)
                 a = got[arm]
                 print(f"run {r} {arm:9s}: {a.blocks_saved} blocks saved, {a.failed_saves} failed, new-prefix hits "
                       f"{a.new_prefix_hits}/{a.prefetches} ({a.hit_rate:.2f}), hot {a.hot_hits}/{a.prefetches}, "
@@ -210,18 +241,24 @@ def main(argv: list[str] | None = None) -> int:
         backend.close()
         store.proc.stop()
     command = (f"python -m benchmarks.remote_owner --runs {args.runs} --prompts {args.prompts} "
-               f"--store-mib {args.store_mib}")
+               f"--store-mib {args.store_mib} --half-life {args.half_life:g}")
     details = {"config": {k: v for k, v in vars(args).items() if k != "no_write"},
                "block_bytes": extent_bytes(known_model("meta-llama/Llama-3.1-8B", num_layers=args.layers), 1),
-               "runs": [{k: asdict(v) | {"hit_rate": round(v.hit_rate, 4)} for k, v in got.items()} for got in arms],
+               "runs": [{k: {**{f: x for f, x in asdict(v).items() if f != "outcomes"}, "hit_rate": round(v.hit_rate, 4),
+                             "hit_rate_after_fill": _after_fill(got, k)} for k, v in got.items()} for got in arms],
                "load_1min": {"median": statistics.median(load), "max": max(load)},
                "machine": f"{psutil.cpu_count()} cores, shared; load average during the arms in load_1min",
                "not_measured": "the bus between writer and owner (nexuskv.tier-offers on Kafka): the owner is called "
                                "in process; housekeeping runs after every prompt, the service runs it every second"}
+    details["after_fill_median"] = {k: statistics.median(x for x in (_after_fill(g, k) for g in arms) if x is not None)
+                                    if any(_after_fill(g, k) is not None for g in arms) else None
+                                    for k in arms[0]}
     ratio_hits = [Run(g["owner"].hit_rate, g["unmanaged"].hit_rate) for g in arms]
     ratio_failed = [Run(g["owner"].failed_saves, g["unmanaged"].failed_saves) for g in arms]
     hits_med = statistics.median(r.value for r in ratio_hits)
     base_med = statistics.median(r.baseline for r in ratio_hits)
+    for got in arms:
+        print("after the store filled: " + ", ".join(f"{k} {_after_fill(got, k)}" for k in got))
     print(f"new-prefix hit rate: owner {hits_med:.2f} vs unmanaged {base_med:.2f}; failed saves: owner "
           f"{statistics.median(r.value for r in ratio_failed):.0f} vs unmanaged "
           f"{statistics.median(r.baseline for r in ratio_failed):.0f}")
