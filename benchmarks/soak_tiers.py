@@ -23,10 +23,10 @@ What runs, all real:
   ``up``'s tier manager admits, demotes and collects.
 
 Checked at the end (the result says which held): every save answered (saved, already held, or
-refused by utility with a reason) and none failed, remote-tier puts included; every managed tier's used + reserved bytes
-within its capacity at every sample; an index rebuilt from ``nexuskv.kv-events`` equal to what
-every tier manager's tiers really hold, and to what the remote-tier manager holds (its audit);
-every service's RSS bounded (the last third of the run
+refused by utility with a reason) and none failed, remote-tier puts included; every managed
+tier's used + reserved bytes within its capacity at every sample; an index rebuilt from
+``nexuskv.kv-events`` equal to what every tier manager's tiers really hold, and to what the
+remote-tier manager holds (its audit); every service's RSS bounded (the last third of the run
 within ``rss_growth`` of the first third); every process alive, no traceback in any service log;
 the recurring prefix found by the planner in most of its requests (``hit rate``: matched whole in
 a tier, whether or not the cost model chose to load it, which is ``recurring_reuse_rate``), while
