@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import shlex
 from pathlib import Path
@@ -34,6 +35,11 @@ def _module_of(command: str) -> tuple[str, list[str]]:
     return argv[2], argv[3:]
 
 
+def _needs_argv(main: object) -> bool:
+    params = list(inspect.signature(main).parameters.values())
+    return bool(params) and params[0].default is inspect.Parameter.empty
+
+
 def _parser_of(module_name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
     spec = importlib.util.find_spec(module_name)
     assert spec is not None, f"no module {module_name}"
@@ -50,7 +56,7 @@ def _parser_of(module_name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.Ar
     with monkeypatch.context() as m:
         m.setattr(argparse.ArgumentParser, "parse_args", caught)
         try:
-            module.main()
+            module.main(*([[]] if _needs_argv(module.main) else []))
         except _Built as built:
             return built.parser
     raise AssertionError(f"{module_name}.main() built no argparse parser (give it a build_parser())")
