@@ -91,6 +91,13 @@ def test_readme_block_is_the_rendering_of_the_results_files() -> None:
         "benchmarks/README.md's figures table is stale: run python -m benchmarks.render_readme")
 
 
+def test_main_readme_figures_are_the_rendering_of_the_replay_results() -> None:
+    top = render_readme.TOP_README.read_text(encoding="utf-8")
+    assert render_readme.MAIN_BEGIN in top and render_readme.MAIN_END in top
+    assert render_readme.main_differences(top, render_readme.load_results()) == [], (
+        "README.md's main command figures are stale: run python -m benchmarks.render_readme")
+
+
 def test_render_check_names_the_row_that_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     results = tmp_path / "results"
     for name, value in (("alpha", 2.0), ("beta", 30.0)):
@@ -98,7 +105,9 @@ def test_render_check_names_the_row_that_differs(tmp_path: Path, capsys: pytest.
                      "the baseline", f"python -m benchmarks.bench_{name} --repeats 3", results_dir=results)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{render_readme.BEGIN}\n{render_readme.END}\n\nprose\n", encoding="utf-8")
-    argv = ["--readme", str(readme), "--results", str(results)]
+    top = tmp_path / "TOP.md"
+    top.write_text("# no main figures here\n", encoding="utf-8")
+    argv = ["--readme", str(readme), "--results", str(results), "--top-readme", str(top)]
     assert render_readme.main([*argv, "--check"]) == 1
     assert "alpha: no row in the README" in capsys.readouterr().err
     assert render_readme.main(argv) == 0
