@@ -118,9 +118,9 @@ def render_main_table(docs: Sequence[Mapping[str, Any]]) -> str:
     by = _by_name(docs)
     mean, p99 = by["replay_ttft_mean"], by["replay_ttft_p99"]
     runs = mean["details"]["runs"]
-    rows = ["| run | vLLM alone TTFT mean | vLLM + NexusKV | ratio | p99 alone | p99 NexusKV | ratio "
-            "| prompt tokens recomputed (NexusKV / alone) | differing outputs | loads completed / planned "
-            "| median TTFT prediction error |",
+    rows = [("| run | vLLM alone TTFT mean | vLLM + NexusKV | ratio | p99 alone | p99 NexusKV | ratio "
+             "| prompt tokens recomputed (NexusKV / alone) | differing outputs | loads completed / planned "
+             "| median TTFT prediction error |"),
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, (r, m, p) in enumerate(zip(runs, mean["runs"], p99["runs"], strict=True), 1):
         rows.append(f"| {i} | {m['baseline']:.3f} s | {m['value']:.3f} s | {m['ratio']:.3f} | {p['baseline']:.3f} s "
