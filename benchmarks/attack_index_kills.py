@@ -93,22 +93,36 @@ async def run(url, *, kills: int, requests: int, seed: int, folder: Path) -> dic
             "checkpointed_share_at_kill": [round(x, 3) for x in checkpointed_at_kill]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attack_index_kills", description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="attacks, each on fresh topics and folders; one run each (default 1: ten kills with their "
+                         "recoveries take minutes)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results")
-    args = ap.parse_args()
-    with attack_broker() as url, tempfile.TemporaryDirectory(prefix="nexuskv-kills-") as tmp:
-        out = asyncio.run(run(url, kills=args.kills, requests=args.requests, seed=args.seed, folder=Path(tmp)))
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    outs = []
+    with attack_broker() as url:
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix="nexuskv-kills-") as tmp:
+                outs.append(asyncio.run(run(url, kills=args.kills, requests=args.requests, seed=args.seed,
+                                            folder=Path(tmp))))
+    out = {**sorted(outs, key=lambda o: o["lost"] + o["phantom"])[len(outs) // 2], "load_average": os.getloadavg()}
+    if len(outs) > 1:
+        out["per_run"] = outs
     print(f"{out['kills']} SIGKILLs during {out['batches']} batches ({out['block_ops']} block operations, "
           f"{out['memberships']} memberships at the end): lost {out['lost']}, phantom {out['phantom']} "
           f"(replica: {out['replica_lost']}, {out['replica_phantom']}); recovery median {out['recovery_median_s']} s, "
           f"worst {out['recovery_max_s']} s")
     if not args.no_write:
-        write_result("reliability_index_kills", "memberships lost + phantom after SIGKILLs of the index worker", "memberships", [Run(out["lost"] + out["phantom"], 0)], "reference index (no kill)", f"python -m benchmarks.attack_index_kills --kills {args.kills} --requests {args.requests} "
-                     f"--seed {args.seed}", details=out)
+        write_result("reliability_index_kills", "memberships lost + phantom after SIGKILLs of the index worker", "memberships", [Run(o["lost"] + o["phantom"], 0) for o in outs], "reference index (no kill)", f"python -m benchmarks.attack_index_kills --kills {args.kills} --requests {args.requests} "
+                     f"--seed {args.seed}" + (f" --repeats {args.repeats}" if args.repeats != 1 else ""), details=out)
 
 
 if __name__ == "__main__":

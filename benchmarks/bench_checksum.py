@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import time
 import zlib
@@ -30,12 +31,17 @@ def _rate(fn, buffers) -> float:
     return sum(b.nbytes for b in buffers) / (time.perf_counter() - start) / 1e9
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_checksum", description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="MiB checksummed per repeat (default 256)")
+    ap.add_argument("--unit", type=int, default=2 << 20, help="payload size in bytes (default 2 MiB)")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="repeats, each timing every method over the same buffers; one run each (default 7)")
+    return ap
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=int, default=256)
-    ap.add_argument("--unit", type=int, default=2 << 20)
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     rng = np.random.default_rng(0)
     buffers = [rng.integers(0, 256, args.unit, dtype=np.uint8) for _ in range(max(1, (args.mib << 20) // args.unit))]
     key = PayloadKey("sd1-" + "0" * 32, 1)
@@ -53,7 +59,7 @@ def main() -> None:
         print(f"{m:<30}{v:>8.2f} GB/s")
     ours, base = med["xxh3-128 (payload_checksum)"], med["blake2b-128"]
     print(f"ratio (xxh3-128 / blake2b): {ours / base:.1f}")
-    path = write_result("checksum_xxh3_128", f"payload checksum throughput, {args.unit}-byte payloads", "GB/s", [Run(ours, base)], "hashlib blake2b digest_size=16", f"python -m benchmarks.bench_checksum --mib {args.mib} --unit {args.unit} --repeats {args.repeats}", details={"runs": runs, "medians": med})
+    path = write_result("checksum_xxh3_128", f"payload checksum throughput, {args.unit}-byte payloads", "GB/s", [Run(o, b) for o, b in zip(runs["xxh3-128 (payload_checksum)"], runs["blake2b-128"])], "hashlib blake2b digest_size=16", f"python -m benchmarks.bench_checksum --mib {args.mib} --unit {args.unit} --repeats {args.repeats}", details={"runs": runs, "medians": med, "load_average": os.getloadavg()})
     print(f"wrote {path}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import struct
 import time
@@ -46,11 +47,16 @@ def _rate(fn, prompts: list) -> float:
     return n / (time.perf_counter() - start)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_identity", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=200, help="8K-token prompts keyed per repeat (default 200)")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="repeats, each keying the prompts with both methods; one run each (default 7)")
+    return ap
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 152_000, TOKENS).tolist() for _ in range(args.prompts)]
@@ -68,7 +74,7 @@ def main() -> None:
     print(f"{'NexusKV BlockKeyer (BLAKE2b-128)':<34}{ours:>18,.0f}{per_prompt_ms:>18.3f}")
     print(f"{'plain hashlib sha256 chain':<34}{base:>18,.0f}{TOKENS / BLOCK / base * 1e3:>18.3f}")
     print(f"ratio (ours / baseline): {ratio:.2f}")
-    path = write_result("identity_block_keys_8k", "canonical block keys per second, 8K-token prompts, 16-token blocks", "keys/s", [Run(ours, base)], "plain hashlib sha256 chain", f"python -m benchmarks.bench_identity --prompts {args.prompts} --repeats {args.repeats}", details={"runs": ours_runs, "baseline_runs": base_runs, "ms_per_8k_prompt": per_prompt_ms})
+    path = write_result("identity_block_keys_8k", "canonical block keys per second, 8K-token prompts, 16-token blocks", "keys/s", [Run(o, b) for o, b in zip(ours_runs, base_runs)], "plain hashlib sha256 chain", f"python -m benchmarks.bench_identity --prompts {args.prompts} --repeats {args.repeats}", details={"runs": ours_runs, "baseline_runs": base_runs, "ms_per_8k_prompt": per_prompt_ms, "load_average": os.getloadavg()})
     print(f"wrote {path}")
 
 

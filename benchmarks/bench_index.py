@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 import tracemalloc
@@ -112,13 +113,19 @@ def lookups(index, queries: list[np.ndarray], count: int, as_ints: bool) -> list
     return times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--lookups", type=int, default=2000)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_index", description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300, help="Mooncake trace requests replayed for ingest (default 300)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="repeats of the ingest replay and of each lookup size, each timing GlobalIndex then the "
+                         "dict-of-sets index; one run each (default 3). Bytes per membership are measured once.")
+    ap.add_argument("--lookups", type=int, default=2000, help="GlobalIndex lookups per size and repeat (default 2000)")
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     cmd = f"python -m benchmarks.bench_index --requests {args.requests} --repeats {args.repeats} --lookups {args.lookups}"
 
     got = ingest(args.requests, args.repeats)
@@ -126,8 +133,8 @@ def main() -> None:
     print(f"ingest in-process: {got['ops']:,} block ops in {got['batches']} batches; "
           f"GlobalIndex {ours:,.0f} ops/s, dict-of-sets {base:,.0f} ops/s, ratio {ours / base:.2f}")
     if not args.no_write:
-        write_result("index_ingest_inprocess", "block operations per second per core, Mooncake replay", "ops/s", [Run(ours, base)], "plain dict-of-sets index (ReferenceIndex)", cmd, details={"runs": got["ours"], "baseline_runs": got["base"], "block_ops": got["ops"],
-                              "requests": args.requests, "goal": 300_000})
+        write_result("index_ingest_inprocess", "block operations per second per core, Mooncake replay", "ops/s", [Run(o, b) for o, b in zip(got["ours"], got["base"])], "plain dict-of-sets index (ReferenceIndex)", cmd, details={"runs": got["ours"], "baseline_runs": got["base"], "block_ops": got["ops"],
+                              "requests": args.requests, "goal": 300_000, "load_average": os.getloadavg()})
 
     rng = np.random.default_rng(7)
     batches, long_prompts = resident_state(rng)
@@ -140,7 +147,8 @@ def main() -> None:
     if not args.no_write:
         write_result("index_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks", "bytes", [Run(ours_bytes / members, base_bytes / members)], "plain dict-of-sets index (ReferenceIndex)", cmd, details={"blocks": blocks, "memberships": members, "traced_bytes": ours_bytes,
                                    "baseline_traced_bytes": base_bytes, "nbytes_estimate": ours_ix.nbytes,
-                                   "goal": 64})
+                                   "goal": 64, "load_average": os.getloadavg(),
+                                   "runs_note": "measured once: traced bytes of the same state do not vary"})
     keyer = BlockKeyer(SCOPE, BS, SECRET)
     # Both indexes' objects are long-lived from here: out of the collector's way, so the
     # dict-of-sets index's ~500 MB of Python objects do not stretch the other one's GC pauses.
@@ -158,16 +166,19 @@ def main() -> None:
             queries.append(arr)
         first = ours_ix.lookup(SCOPE, queries[0])
         assert first == base_ix.lookup(SCOPE, [(int(h) << 64) | int(lo) for h, lo in queries[0]])
-        t_ours = lookups(ours_ix, queries, args.lookups, as_ints=False)
-        t_base = lookups(base_ix, queries, max(50, args.lookups // 20), as_ints=True)
-        p50, p99 = np.percentile(t_ours, 50), np.percentile(t_ours, 99)
-        b50, b99 = np.percentile(t_base, 50), np.percentile(t_base, 99)
+        per_run = []  # (p50, p99, baseline p50, baseline p99) per repeat, both timed in it
+        for _ in range(args.repeats):
+            t_ours = lookups(ours_ix, queries, args.lookups, as_ints=False)
+            t_base = lookups(base_ix, queries, max(50, args.lookups // 20), as_ints=True)
+            per_run.append(tuple(float(np.percentile(t, q)) for t in (t_ours, t_base) for q in (50, 99)))
+        p50, p99, b50, b99 = (statistics.median(r[i] for r in per_run) for i in range(4))
         print(f"lookup {label} ({tokens // BS} keys, {len(first.matches)} matching locations): GlobalIndex p50 "
               f"{p50:.1f} µs p99 {p99:.1f} µs; dict-of-sets p50 {b50:.1f} p99 {b99:.1f}; ratio p99 {p99 / b99:.3f}; "
               f"key computation median {statistics.median(key_us):.0f} µs")
         if not args.no_write:
             write_result(f"index_lookup_{label}_p99", f"lookup latency p99, {tokens}-token prompt given its keys, "
-                         f"~1M resident blocks", "µs", [Run(p99, b99)], "plain dict-of-sets index (ReferenceIndex), p99", cmd, details={"p50_us": p50, "baseline_p50_us": b50, "keys": tokens // BS, "lookups": args.lookups,
+                         f"~1M resident blocks", "µs", [Run(r[1], r[3]) for r in per_run], "plain dict-of-sets index (ReferenceIndex), p99", cmd, details={"p50_us": p50, "baseline_p50_us": b50, "keys": tokens // BS, "lookups": args.lookups,
+                                  "per_run_us": [list(r) for r in per_run], "load_average": os.getloadavg(),
                                   "baseline_lookups": len(t_base), "key_computation_median_us": statistics.median(key_us),
                                   "resident_blocks": blocks, "matching_locations": len(first.matches),
                                   "goal_p99_us_at_8k": 10})

@@ -401,29 +401,35 @@ def write_ingest(runs: list[dict], cmd: str, common: dict) -> None:
         return [list(run[key]) for run in runs]
 
     write_result("index_peers_ingest_keyed", "ingest of pre-keyed stored blocks into an empty index (events of up "
-                 "to 4,096 blocks)", "blocks/s", [Run(med("ingest", 0), med("ingest", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
+                 "to 4,096 blocks)", "blocks/s", [Run(run["ingest"][0], run["ingest"][1]) for run in runs], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest"), "goal_ratio": 1.0,
                           **({"dict_baseline_blocks_per_s": med("ingest", 2)} if med("ingest", 2) else {}),
                           "note": "NexusKV's events are decoded objects with packed keys; Dynamo's clock includes "
                                   "its JSON parse"})
     write_result("index_peers_ingest_wire", "ingest of pre-keyed stored blocks from kv-events v2 record bytes "
-                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s", [Run(med("ingest_wire", 0), med("ingest_wire", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
+                 "(codec.decode + GlobalIndex.apply) into an empty index (events of up to 4,096 blocks)", "blocks/s", [Run(run["ingest_wire"][0], run["ingest_wire"][1]) for run in runs], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire"), "goal_ratio": 1.0,
                           "note": "both clocks start from bytes: NexusKV's msgpack v2 record values, Dynamo's JSON"})
     write_result("index_peers_ingest_wire_sized", "ingest of pre-keyed stored blocks from kv-events v2 record "
                  "bytes (codec.decode + GlobalIndex.apply) into an index sized for them up front (expected_blocks, "
-                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", [Run(med("ingest_wire_sized", 0), med("ingest_wire_sized", 1))], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
+                 "NEXUSKV_INDEX_EXPECTED_BLOCKS)", "blocks/s", [Run(run["ingest_wire_sized"][0], run["ingest_wire_sized"][1]) for run in runs], "Dynamo RadixTree.apply_event, JSON events (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_blocks_per_s": per_run("ingest_wire_sized"), "goal_ratio": 1.0,
                                "expected_blocks": runs[0]["stored"],
                                "note": "both clocks start from bytes; NexusKV's block table sized for the resident "
                                        "blocks before the clock starts (Dynamo's tree needs no sizing)"})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3, help="complete measurements; figures are their medians")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_index_peers", description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", "--runs", dest="runs", type=int, default=3,
+                    help="complete measurements, each timing NexusKV and Dynamo on the same state; every one is a "
+                         "run of the results files, the figures their medians (default 3)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--ingest-only", action="store_true", help="only the ingest figures (see the module docstring)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     cmd = f"python -m benchmarks.bench_index_peers --runs {args.runs} --rounds {args.rounds} --lookups {args.lookups}"
     try:
         import dynamo._core  # noqa: F401
@@ -467,13 +473,13 @@ def main() -> None:
               "keys_per_lookup": 512, "lookups_per_round": args.lookups, "rounds": args.rounds, "runs": args.runs,
               "index_backend": "native", "load_average_at_end": os.getloadavg()}
     for q in ("p50", "p99"):
-        write_result(f"index_peers_lookup_8k_{q}", f"lookup latency {q}, 8K-token prompt (512 keys: 384 present, 128 absent), ~1M resident blocks", "µs", [Run(med(q, 0), med(q, 1))], "Dynamo RadixTree.find_matches (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
+        write_result(f"index_peers_lookup_8k_{q}", f"lookup latency {q}, 8K-token prompt (512 keys: 384 present, 128 absent), ~1M resident blocks", "µs", [Run(run[q][0], run[q][1]) for run in runs], "Dynamo RadixTree.find_matches (ai-dynamo-runtime 1.6.1)", cmd, details={**common, "per_run_us": per_run(q), "dict_baseline_us": med(q, 2), "goal_ratio": 1.0,
                               "answer": "NexusKV: per (worker, tier, group) prefix, extents, certainty; "
                                         "Dynamo: per worker prefix length"})
     write_ingest(runs, cmd, common)
     write_result("index_peers_churn_keyed", "block operations per second on a full index: pre-keyed stores of "
-                 "512-block prompts, each with the eviction of a resident one", "ops/s", [Run(med("churn", 0), med("churn", 1))], "Dynamo RadixTree.apply_event, JSON stored + removed events", cmd, details={**common, "per_run_ops_per_s": per_run("churn"), "prompts": CHURN, "goal_ratio": 1.0})
-    write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks", "bytes", [Run(med("bytes", 0), med("bytes", 1))], "dict of key -> location set (traced)", cmd, details={**common, "core_nbytes": first["core_nbytes"], "python_traced_bytes":
+                 "512-block prompts, each with the eviction of a resident one", "ops/s", [Run(run["churn"][0], run["churn"][1]) for run in runs], "Dynamo RadixTree.apply_event, JSON stored + removed events", cmd, details={**common, "per_run_ops_per_s": per_run("churn"), "prompts": CHURN, "goal_ratio": 1.0})
+    write_result("index_peers_bytes_per_membership", "bytes per (block, location) membership at ~1M resident blocks", "bytes", [Run(run["bytes"][0], run["bytes"][1]) for run in runs], "dict of key -> location set (traced)", cmd, details={**common, "core_nbytes": first["core_nbytes"], "python_traced_bytes":
                           first["python_traced_bytes"], "dynamo_rss_growth_per_block": first["dynamo_rss_per_block"],
                           "goal": 64})
 

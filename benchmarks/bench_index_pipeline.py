@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
@@ -125,17 +126,25 @@ async def amain(args) -> None:
     o, b = statistics.median(ours), statistics.median(base)
     print(f"index_ingest_pipeline: {o:,.0f} block ops/s per worker; per-block Faust table {b:,.0f}; ratio {o / b:.1f}")
     if not args.no_write:
-        write_result("index_ingest_pipeline", "block operations per second through Kafka into the index, one worker", "ops/s", [Run(o, b)], "Faust agent writing one table row per block", f"python -m benchmarks.bench_index_pipeline --requests {args.requests} --runs {args.runs}", details={"runs": ours, "baseline_runs": base, "block_ops": replay.block_ops,
-                              "batches": len(batches), "partitions": PARTITIONS, "goal": 100_000})
+        write_result("index_ingest_pipeline", "block operations per second through Kafka into the index, one worker", "ops/s", [Run(x, y) for x, y in zip(ours, base)], "Faust agent writing one table row per block", f"python -m benchmarks.bench_index_pipeline --requests {args.requests} --runs {args.runs}"
+                     + (f" --baseline-seconds {args.baseline_seconds:g}" if args.baseline_seconds != 10.0 else ""), details={"runs": ours, "baseline_runs": base, "block_ops": replay.block_ops,
+                              "batches": len(batches), "partitions": PARTITIONS, "goal": 100_000,
+                              "load_average": os.getloadavg()})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_index_pipeline", description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200, help="Mooncake trace requests produced once (default 200)")
+    ap.add_argument("--repeats", "--runs", dest="runs", type=int, default=3,
+                    help="repeats, each the index worker then the per-block Faust table on the same topic; one run "
+                         "each (default 3)")
+    ap.add_argument("--baseline-seconds", type=float, default=10.0, help="how long the Faust table is timed (default 10)")
+    ap.add_argument("--no-write", action="store_true")
+    return ap
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--baseline-seconds", type=float, default=10.0)
-    ap.add_argument("--no-write", action="store_true")
-    asyncio.run(amain(ap.parse_args()))
+    asyncio.run(amain(build_parser().parse_args()))
 
 
 if __name__ == "__main__":

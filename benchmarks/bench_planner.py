@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -54,11 +55,16 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return s[len(s) // 2] * 1e6, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_planner", description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=4000, help="timed calls per case and repeat (default 4000)")
+    ap.add_argument("--repeats", "--runs", dest="runs", type=int, default=5,
+                    help="repeats, each timing the planner and the Dynamo formula in turn; one run each (default 5)")
+    return ap
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=4000)
-    ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
 
     q, lk = scenario.query(), scenario.lookup()
     model, policy = shipped_cost_model(), ExecutionPolicy(version="bench")
@@ -103,11 +109,11 @@ def main() -> None:
     print(f"machine reference: 1,000 integer additions in Python take {statistics.median(reference):.1f} µs "
           f"(range {min(reference):.1f}-{max(reference):.1f} during the runs)")
     path = write_result("planner_decision_inprocess_p99", "planner decision latency in process, p99 (8K prompt, 4 candidates, "
-        "5 locations)", "us", [Run(med["decide"][1], med["dynamo"][1])], "Dynamo cost formula alone (same inputs), p99", f"python -m benchmarks.bench_planner --calls {args.calls} --runs {args.runs}", details={"p50_us": med["decide"][0], "decide_with_records_p50_us": med["decide+records"][0],
+        "5 locations)", "us", [Run(d[1], b[1]) for d, b in zip(runs["decide"], runs["dynamo"])], "Dynamo cost formula alone (same inputs), p99", f"python -m benchmarks.bench_planner --calls {args.calls} --runs {args.runs}", details={"p50_us": med["decide"][0], "decide_with_records_p50_us": med["decide+records"][0],
                  "decide_with_records_p99_us": med["decide+records"][1], "dynamo_p50_us": med["dynamo"][0],
                  "options": len(first.options), "action": first.action.value,
                  "reference_1000_adds_us": statistics.median(reference),
-                 "runs": {k: [list(x) for x in v] for k, v in runs.items()}})
+                 "runs": {k: [list(x) for x in v] for k, v in runs.items()}, "load_average": os.getloadavg()})
     print(f"wrote {path}")
 
 

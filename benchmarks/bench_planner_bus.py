@@ -7,7 +7,7 @@ request on ``nexuskv.decisions``; the planner service runs in its own process
 the decision's arrival at the client: two produce/fetch hops, decoding, lookup, planning,
 encoding and publishing the decision (and its hints). The baseline is the same client against an
 echo process with the same clients and settings that returns the request bytes unchanged: the
-floor a request/response service on this bus can reach. Runs alternate planner and echo.
+floor a request/response service on this bus can reach. Each repeat times the planner, then the echo (both processes up throughout).
 
 Brokers: the embedded Tansu (the default bus) and Apache Kafka 4.2 (the test broker).
 Prints p50/p99 (medians over runs) and ratios, writes
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -99,23 +100,30 @@ def bench_broker(broker, args, log_dir: Path) -> dict[str, list[tuple[float, flo
     asyncio.run(ensure_topics(url, partitions=8))
     asyncio.run(ensure_topics(url, partitions=8, topics=(ECHO_REQUESTS, ECHO_REPLIES)))
     runs: dict[str, list[tuple[float, float]]] = {"planner": [], "echo": []}
-    for mode in ("planner", "echo"):
-        proc = _start_probe(mode, url, log_dir)
-        try:
-            for _ in range(args.runs):
-                times = asyncio.run(_round_trips(url, mode, args.requests, warmup=30))
-                runs[mode].append(_pcts(times))
-        finally:
+    procs = []
+    try:
+        for mode in runs:
+            procs.append(_start_probe(mode, url, log_dir))
+        for _ in range(args.runs):  # a repeat times the planner, then the echo: one run of the results file
+            for mode in runs:
+                runs[mode].append(_pcts(asyncio.run(_round_trips(url, mode, args.requests, warmup=30))))
+    finally:
+        for proc in procs:
             proc.stop()
     return runs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--runs", type=int, default=3)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_planner_bus", description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300, help="timed round trips per case and repeat (default 300)")
+    ap.add_argument("--repeats", "--runs", dest="runs", type=int, default=3,
+                    help="repeats per broker, each timing the planner then the echo; one run each (default 3)")
     ap.add_argument("--brokers", default="tansu,kafka")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="nexuskv-bench-bus-"))
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for name in args.brokers.split(","):
@@ -133,11 +141,11 @@ def main() -> None:
         pl, ec = med[(name, "planner")], med[(name, "echo")]
         print(f"{name}: planner / echo p99 ratio {pl[1] / ec[1]:.2f}, p50 ratio {pl[0] / ec[0]:.2f}")
     primary = "tansu" if "tansu" in results else next(iter(results))
-    path = write_result("planner_decision_bus_p99", f"plan request -> decision over the bus on loopback, p99 ({primary})", "ms", [Run(med[(primary, "planner")][1], med[(primary, "echo")][1])], f"raw aiokafka echo round trip ({primary}), p99", f"python -m benchmarks.bench_planner_bus --requests {args.requests} --runs {args.runs} "
+    path = write_result("planner_decision_bus_p99", f"plan request -> decision over the bus on loopback, p99 ({primary})", "ms", [Run(p[1], e[1]) for p, e in zip(results[primary]["planner"], results[primary]["echo"])], f"raw aiokafka echo round trip ({primary}), p99", f"python -m benchmarks.bench_planner_bus --requests {args.requests} --runs {args.runs} "
         f"--brokers {args.brokers}", details={"p50_ms": med[(primary, "planner")][0], "echo_p50_ms": med[(primary, "echo")][0],
                  "by_broker": {f"{b}/{m}": {"p50_ms": v[0], "p99_ms": v[1]} for (b, m), v in med.items()},
                  "runs": {b: {m: [list(x) for x in r] for m, r in runs.items()} for b, runs in results.items()},
-                 "requests_per_run": args.requests})
+                 "requests_per_run": args.requests, "load_average": os.getloadavg()})
     print(f"wrote {path}")
 
 

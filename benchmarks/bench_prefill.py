@@ -23,6 +23,7 @@ Run: ``python -m benchmarks.bench_prefill [--lengths 128,256,512,1024] [--repeat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -55,13 +56,18 @@ def _fit(samples: list[tuple[int, int, float]]) -> dict:
             "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max()), "samples": len(samples)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="128,256,512,1024")
-    ap.add_argument("--repeats", type=int, default=5)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefill", description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="128,256,512,1024", help="prompt lengths in tokens; the longest is the figure")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="repeats per length, each a full recompute then a load and reuse; one run each (default 5)")
     ap.add_argument("--variants", default=",".join(SPECS))
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     torch.set_grad_enabled(False)
     print(f"torch threads {torch.get_num_threads()}; medians of {args.repeats}; times in ms")
@@ -113,10 +119,10 @@ def main() -> None:
         if args.no_write:
             continue
         longest = max(rows)
-        path = write_result(f"runtime_prefill_{name}", f"reference engine ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier", "s", [Run(rows[longest]["reuse_s"], rows[longest]["recompute_s"])], "full recompute of the same prompt", f"python -m benchmarks.bench_prefill --lengths {args.lengths} --repeats {args.repeats} --variants {name}", details={"lengths": {str(k): v for k, v in rows.items()}, "fit": fit,
+        path = write_result(f"runtime_prefill_{name}", f"reference engine ({name}) time to first logits, {longest}-token prompt, 3/4 of it reused from the host tier", "s", [Run(u, r) for u, r in zip(rows[longest]["reuse_runs"], rows[longest]["recompute_runs"])], "full recompute of the same prompt", f"python -m benchmarks.bench_prefill --lengths {args.lengths} --repeats {args.repeats} --variants {name}", details={"lengths": {str(k): v for k, v in rows.items()}, "fit": fit,
                      "spec": {"block_size": spec.block_size, "checkpoint_interval": spec.checkpoint_interval,
                               "d_model": spec.d_model, "n_layers": spec.n_layers},
-                     "torch_threads": torch.get_num_threads()})
+                     "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()})
         print(f"wrote {path}")
 
 

@@ -19,6 +19,7 @@ Run: ``python -m benchmarks.bench_router [--requests 1000] [--windows 3] [--time
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -46,14 +47,20 @@ def _table(rows: dict[str, dict[str, float | int | str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_router", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per window")
-    ap.add_argument("--windows", type=int, default=3, help="disjoint windows of the trace (a fresh cluster each)")
+    ap.add_argument("--windows", "--repeats", dest="windows", type=int, default=3,
+                    help="repeats: disjoint windows of the trace, a fresh cluster each, every policy on the same "
+                         "window; one run each (default 3)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this (load)")
     ap.add_argument("--result", default="router_policies_ttft_nexuskv_model", help="result file name (benchmarks/results/)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     trace = load_trace(CONVERSATION_TRACE)
     config = SimConfig(workers=args.workers, time_scale=args.time_scale)
@@ -75,10 +82,10 @@ def main() -> None:
     command = (f"python -m benchmarks.bench_router --requests {args.requests} --windows {args.windows} "
                f"--workers {args.workers} --time-scale {args.time_scale} --result {args.result}")
     write_result(args.result, f"mean TTFT predicted by NexusKV's own cost model (the model NexusKV's rule optimises), Mooncake conversation trace, {args.workers} simulated workers "
-                 f"(median over {len(per_window)} windows of {args.requests} requests)", "s", [Run(ours, theirs)], f"{rival} (the better of dynamo and llm-d)", command, details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,
+                 f"(median over {len(per_window)} windows of {args.requests} requests)", "s", [Run(w["policies"]["nexuskv"]["mean_ttft_s"], w["policies"][rival]["mean_ttft_s"]) for w in per_window], f"{rival} (the better of dynamo and llm-d)", command, details={"medians": medians, "windows": per_window, "trace": CONVERSATION_TRACE.name,
                           "config": {"workers": config.workers, "gpu_blocks": config.gpu_blocks,
                                      "host_blocks": config.host_blocks, "tpot_s": config.tpot_s,
-                                     "time_scale": config.time_scale}})
+                                     "time_scale": config.time_scale}, "load_average": os.getloadavg()})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Run: ``python -m benchmarks.bench_sink [--rows 20000] [--batch 2000] [--repeats 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -72,12 +73,17 @@ def _plain(path: Path, rows: list[dict], batch: int, how: str) -> float:
     return len(rows) / elapsed
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_sink", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=20000, help="decision rows per repeat (default 20000)")
+    ap.add_argument("--batch", type=int, default=2000, help="rows per insert batch (default 2000)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="repeats, each writing with every method into fresh files; one run each (default 3)")
+    return ap
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=20000)
-    ap.add_argument("--batch", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     rows = _rows(args.rows)
     runs: dict[str, list[float]] = {"arrow": [], "appender": [], "executemany": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,8 +97,9 @@ def main() -> None:
         print(f"{k:<28}{v:>14,.0f} rows/s")
     print(f"ratio (arrow INSERT OR IGNORE / executemany): {med['arrow'] / med['executemany']:.1f}")
     print(f"ratio (arrow INSERT OR IGNORE / appender):    {med['arrow'] / med['appender']:.2f}")
-    path = write_result("sink_rows_per_s", "decision rows per second into a file-backed DuckDB with its key", "rows/s", [Run(med["arrow"], med["executemany"])], "executemany in one transaction per batch", f"python -m benchmarks.bench_sink --rows {args.rows} --batch {args.batch} "
-                        f"--repeats {args.repeats}", details={"runs": runs, "appender_median": med["appender"], "batch": args.batch})
+    path = write_result("sink_rows_per_s", "decision rows per second into a file-backed DuckDB with its key", "rows/s", [Run(a, e) for a, e in zip(runs["arrow"], runs["executemany"])], "executemany in one transaction per batch", f"python -m benchmarks.bench_sink --rows {args.rows} --batch {args.batch} "
+                        f"--repeats {args.repeats}", details={"runs": runs, "appender_median": med["appender"], "batch": args.batch,
+                                                            "load_average": os.getloadavg()})
     print(f"wrote {path}")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 
@@ -34,14 +35,20 @@ FIGURES = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "eg_vs_oracle", "eg_vs_ora
            "reused_rate", "useful_rate", "fallbacks")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_tier_ablation", description=__doc__)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", "--repeats", dest="trials", type=int, default=3,
+                    help="repeats with different noise seeds, every policy on each; one run each (default 3, "
+                         "~2 min a trial here)")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--capacity", choices=tuple(CAPACITIES), default="pressure")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     config = HarnessConfig(requests=args.requests, trials=args.trials, policies=POLICIES, control_requests=0,
                            capacity=CAPACITIES[args.capacity], jobs=args.jobs)
     result = run_harness(config)
@@ -55,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         details = {"capacity": args.capacity, "capacities": dataclasses.asdict(CAPACITIES[args.capacity]),
                    "workload": result.workload.name, "requests": len(result.workload.requests),
                    "trials": args.trials, "medians": medians, "ttft_mean_per_trial": per_trial,
-                   "counters": result.counters, "wall_s": round(result.wall_s, 1)}
+                   "counters": result.counters, "wall_s": round(result.wall_s, 1),
+                   "load_average": os.getloadavg()}
         path = write_result("harness_tier_ablation", "NexusKV's mean TTFT with utility tiers (admission and "
-                            "eviction by expected gain per byte) under tier pressure, simulated cluster", "s", [Run(value, base)], "no-eviction-utility (the same planner on LRU tiers)", command.strip(), details)
+                            "eviction by expected gain per byte) under tier pressure, simulated cluster", "s", [Run(v, b) for v, b in zip(per_trial["nexuskv"], per_trial["no-eviction-utility"])], "no-eviction-utility (the same planner on LRU tiers)", command.strip(), details)
         print(f"result: {path}")
     return 0
 

@@ -87,6 +87,8 @@ from streams.replica import IndexReplica
 from streams.tier_manager import TierBus, cost_model_gains
 from streams.transfer_executor import TransferService
 
+from benchmarks._result import Run, write_result
+
 __all__ = ["SoakConfig", "SoakResult", "run_soak", "main"]
 
 PROFILE = "h200x1-rdma4x200"
@@ -769,13 +771,16 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(ensure_topics(broker.url, partitions=4))
             result = asyncio.run(go(broker.url))
     doc = result.as_dict()
-    doc.update({"name": "soak_tiers", "command": f"python -m benchmarks.soak_tiers --minutes {args.minutes:g}",
-                "date": time.strftime("%Y-%m-%d"), "config": {k: (str(v) if isinstance(v, Path) else v)
-                                                              for k, v in asdict(config).items()},
+    doc.update({"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                 "work": str(work)})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = _plain(doc)
-    args.out.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str))
+    command = f"python -m benchmarks.soak_tiers --minutes {args.minutes:g}"
+    if args.engines != 2:
+        command += f" --engines {args.engines}"
+    # The figure is the number of checks that failed; its baseline is the goal, every check held.
+    write_result(args.out.stem, "soak checks failed, nexuskv up under tier overfill", "checks",
+                 [Run(float(len(doc["failures"])), 0.0)], "every check held (the goal)", command,
+                 details=doc, results_dir=args.out.parent)
     print(json.dumps({k: doc[k] for k in ("failures", "recurring_hit_rate", "saves", "transfers", "overfill",
                                           "index_equal", "rss_mib")}, indent=1, default=str))
     return 0 if not doc["failures"] else 1

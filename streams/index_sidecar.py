@@ -304,7 +304,9 @@ class IndexSidecar:
 
     async def serve_forever(self) -> None:
         """Until :meth:`close`; raises when the ask thread ended otherwise (the supervisor's failure)."""
-        await asyncio.wrap_future(self._ended)
+        # Shielded: cancelling this task (the supervisor stopping) must not cancel the thread's own
+        # future, which close() then waits on.
+        await asyncio.shield(asyncio.wrap_future(self._ended))
         if not self._closing:
             raise RuntimeError("the index sidecar's ask thread stopped")
 
@@ -314,8 +316,9 @@ class IndexSidecar:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._shutdown)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.wrap_future(self._ended), 10)
+            if not self._ended.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ended)), 10)
         self._bulk.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

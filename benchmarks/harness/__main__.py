@@ -15,7 +15,7 @@ from benchmarks.harness.truth import DRIFTS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "build" / "harness"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__)
     ap.add_argument("--trace", choices=TRACES, default="conversation",
                     help="Mooncake conversation or synthetic trace replay, or the generated §10.2 shapes")
@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="generated workloads: share of the workers recomputing would keep busy")
     ap.add_argument("--arrival", choices=("poisson", "burst"), default="poisson", help="generated workloads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trials", type=int, default=1, help="runs with different noise seeds; figures are medians")
+    ap.add_argument("--trials", "--repeats", dest="trials", type=int, default=1,
+                    help="repeats with different noise seeds, every policy on each; one run each of the results "
+                         "file, figures are medians (default 1: a trial of the full harness takes minutes)")
     ap.add_argument("--drift", choices=tuple(DRIFTS), default="drift", help="how the true costs differ from the "
                                                                           "shipped profile the planner starts from")
     ap.add_argument("--ablations", action="store_true", help="also run NexusKV with each §10.4 mechanism off")
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="raw artifacts: harness.duckdb, record.json")
     ap.add_argument("--no-write", action="store_true",
                     help="do not write benchmarks/results/harness_eg_vs_oracle.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     extra = {}
     if args.only:
         extra["policies"] = tuple(dict.fromkeys([*args.only, "oracle"]))

@@ -19,6 +19,7 @@ baseline is the best other policy's fraction.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -139,8 +140,12 @@ def write_result_file(result: HarnessResult, command: str, *, results_dir: Path 
     details = {"workload": result.workload.name, "requests": len(result.workload.requests),
                "trials": result.config.trials, "policies": per_policy, "goals": goals(result),
                "control": result.control, "record": result.record}
+    # one run per trial: NexusKV's figure and the best other policy's, both from that trial's seeds
+    runs = [Run(t["nexuskv"].eg_vs_oracle, t[best[0]].eg_vs_oracle) for t in result.trials
+            if t["nexuskv"].eg_vs_oracle is not None and t[best[0]].eg_vs_oracle is not None]
+    details["load_average"] = os.getloadavg()
     return write_result("harness_eg_vs_oracle", "NexusKV's aggregate realized Effective Gain as a fraction of the "
-                        "oracle's on the same states (simulated cluster, same workload and seeds)", "fraction", [Run(value, best[1])], f"best other policy: {best[0]}", command, details, results_dir=results_dir)
+                        "oracle's on the same states (simulated cluster, same workload and seeds)", "fraction", runs, f"best other policy: {best[0]}", command, details, results_dir=results_dir)
 
 
 def _f(v: float | None, fmt: str) -> str:
