@@ -23,9 +23,10 @@ What runs, all real:
   ``up``'s tier manager admits, demotes and collects.
 
 Checked at the end (the result says which held): every save answered (saved, already held, or
-refused by utility with a reason) and none failed, remote-tier puts included; every managed tier's used + reserved bytes
-within its capacity at every sample; an index rebuilt from ``nexuskv.kv-events`` equal to what
-every tier manager's tiers really hold, and to what the remote-tier manager holds (its audit); every service's RSS bounded (the last third of the run
+refused by utility with a reason) and none failed, remote-tier puts included; every managed
+tier's used + reserved bytes within its capacity at every sample; an index rebuilt from
+``nexuskv.kv-events`` equal to what every tier manager's tiers really hold, and to what the
+remote-tier manager holds (its audit); every service's RSS bounded (the last third of the run
 within ``rss_growth`` of the first third); every process alive, no traceback in any service log;
 the recurring prefix found by the planner in most of its requests (``hit rate``: matched whole in
 a tier, whether or not the cost model chose to load it, which is ``recurring_reuse_rate``), while
@@ -80,7 +81,7 @@ from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.models import known_model
 from nexuskv.profiles import shipped_cost_model
-from streams.bus.clients import make_consumer, make_producer, send
+from streams.bus.clients import ControlSigner, make_consumer, make_producer, send
 from streams.bus.topic_keys import route
 from streams.replica import IndexReplica
 from streams.tier_manager import TierBus, cost_model_gains
@@ -398,6 +399,7 @@ class _RemoteLoad:
                                           tokenizer_revision=d.tokenizer_revision, descriptor_id=d.descriptor_id,
                                           engine_family="soak")
         self.writer = "soak-remote-writer"
+        self.signer = ControlSigner.from_env(f"writer/{self.writer}")  # offers are signed control records
 
     async def run(self, outcomes: _Outcomes, producer, result: SoakResult, stop: asyncio.Event) -> None:
         prompts = _Prompts(self.config, self.d.block_size, self.rng)
@@ -418,7 +420,7 @@ class _RemoteLoad:
             for why in save.reasons:
                 result.refusal_reasons[f"remote: {why.split(': ', 1)[-1][:80]}"] += 1
             for offer in save.offers:
-                await send(producer, *route(offer), offer)
+                await send(producer, *route(offer), offer, control=self.signer)
             await asyncio.sleep(0.2)  # the index applies the facts
             rid = f"{W0}-{n}"
             request = PlanRequest(request_id=rid, scope=self.scope, block_size=self.d.block_size,

@@ -14,8 +14,11 @@ On the bus (:class:`RemoteTierBus`):
   admits it or refuses it (deleting the object), evicting cheaper blocks where it must.
   ``nexuskv.placement`` pin/unpin hints addressed to the owner (the planner pins a transfer's
   remote source), ``nexuskv.transfers`` commands that read the remote tier (their blocks stay
-  until the deadline or their ``nexuskv.transfer-results`` record). A record that does not
-  decode goes to ``nexuskv.dead-letter`` with the reason.
+  until the deadline or their ``nexuskv.transfer-results`` record). Under a bus secret each of
+  these is taken only when signed by a producer its topic entitles (offers: ``writer/<worker>``;
+  :mod:`nexuskv.contracts.control_signature`), once. A record that does not decode or is refused
+  goes to ``nexuskv.dead-letter`` with the reason (transfers and results refused here are only
+  ignored: their consumers dead-letter them).
 * **out** — ``nexuskv.kv-events`` batches under the owner's own publisher
   (``NEXUSKV_REMOTE_TIER_OWNER``): every block admitted, evicted, collected or lost, so the index
   holds what the store holds; and every ``NEXUSKV_TIER_STATE_INTERVAL`` seconds one
@@ -69,7 +72,17 @@ from nexuskv.dataplane.remote_ledger import (
 from nexuskv.dataplane.tier_facts import BlockIdentity, TierChange, TierFacts
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.errors import ConfigError, ContractError, NexusKVError, TierUnavailableError
-from streams.bus.clients import dead_letter_for, decode_record, make_consumer, make_producer, send, send_dead_letter
+from streams.bus.clients import (
+    ControlVerifier,
+    check_control,
+    control_verifier,
+    dead_letter_for,
+    decode_record,
+    make_consumer,
+    make_producer,
+    send,
+    send_dead_letter,
+)
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
 from streams.supervisor import Supervisor, run_service
@@ -207,7 +220,8 @@ class RemoteTierOwner:
             METRICS.remote_tier_blocks.labels("evicted").inc(len(decision.evicted))
             log.info("headroom: store at %d bytes > %d: %d blocks evicted by utility%s", used,
                      self.ledger.high_bytes, len(decision.evicted),
-                     f" ({decision.short_bytes} bytes short: pinned, read, chained from or not offered yet)" if decision.short_bytes else "")
+                     f" ({decision.short_bytes} bytes short: pinned, read, chained from or not offered yet)"
+                     if decision.short_bytes else "")
         return decision
 
     def sweep(self) -> SweepDecision:
@@ -294,7 +308,8 @@ class RemoteTierOwner:
             disagree = None
             log.warning("audit: the store cannot be listed: %s", exc)
         doc = {"owner": self.name, "publisher": self.facts.publisher, "incarnation": self.facts.incarnation,
-               "contents": held, "ledger_vs_store": disagree, "state": json.loads(self.state_record().model_dump_json()),
+               "contents": held, "ledger_vs_store": disagree,
+               "state": json.loads(self.state_record().model_dump_json()),
                "counters": dict(self.ledger.counters), "store_counters": dict(self.counters),
                "batches": self.facts.batches}
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,13 +324,17 @@ class RemoteTierBus:
 
     def __init__(self, url: BrokerUrl, owner: RemoteTierOwner, *, state_interval_s: float = 1.0,
                  sweep_interval_s: float = 5.0, group_id: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, verifier: ControlVerifier | None = None) -> None:
         self.url = url
         self.owner = owner
         self.state_interval_s = state_interval_s
         self.sweep_interval_s = sweep_interval_s
         self.group_id = group_id or f"nexuskv-{SERVICE}"
         self.clock = clock
+        # Offers, hints, commands and results are taken only when a producer their topic entitles
+        # signed them, once (under a bus secret; from the environment unless given).
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
+        self._signals_verifier = control_verifier(Settings.from_env()) if verifier is None else verifier
         self.ready = asyncio.Event()
         self.offers = 0
         self.rejected = 0
@@ -384,6 +403,7 @@ class RemoteTierBus:
 
     async def _offer(self, producer: AIOKafkaProducer, record) -> None:
         try:
+            check_control(self.verifier, TIER_OFFERS, record, now=self.clock(), service=SERVICE)
             offer = decode_record(TIER_OFFERS, record)
         except ContractError as exc:
             await self._dead_letter(producer, TIER_OFFERS.name, record, exc)
@@ -413,6 +433,7 @@ class RemoteTierBus:
                 topic = topics[tp.topic]
                 for record in records:
                     try:
+                        check_control(self._signals_verifier, topic, record, now=self.clock(), service=SERVICE)
                         value = decode_record(topic, record)
                     except ContractError as exc:
                         if topic is PLACEMENT:  # transfers and results are dead-lettered by their owners
@@ -494,7 +515,8 @@ async def serve(settings: Settings, url: BrokerUrl, stop: asyncio.Event) -> Remo
     from streams.bus.cost_models import CostModelReplica
 
     if not settings.remote_tier:
-        raise ConfigError("NEXUSKV_REMOTE_TIER", "the remote-tier manager needs the store's address (nexuskv up sets it)")
+        raise ConfigError("NEXUSKV_REMOTE_TIER",
+                          "the remote-tier manager needs the store's address (nexuskv up sets it)")
     backend = await asyncio.to_thread(RemoteBackend.connect, settings.remote_tier,
                                       wait_s=settings.broker_start_timeout_s, label="remote-mooncake")
     replica = CostModelReplica(url, shipped_cost_model(), service=SERVICE)

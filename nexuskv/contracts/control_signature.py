@@ -16,9 +16,9 @@ producer's stream, and authenticates all of it with the producer's key::
 * **Producer.** A producer's key is derived from the bus secret and its name
   (:func:`producer_key`, a key domain of its own: no kv-events publisher key is a control key), so
   the verifiers hold one secret while a host can be given only its own producer's key. The name
-  says the producer's role (``planner/<service>``, ``executor/<worker>``), and each topic is
-  entitled to some roles only (:data:`ENTITLED`): hints and commands come from planners, results
-  from executors. A record signed by a producer the topic does not entitle is refused, whatever
+  says the producer's role (``planner/<service>``, ``executor/<worker>``, ``writer/<worker>``), and
+  each topic is entitled to some roles only (:data:`ENTITLED`): hints and commands come from
+  planners, results from executors, remote-tier offers from writers. A record signed by a producer the topic does not entitle is refused, whatever
   its signature.
 * **Replays** (:class:`ReplayWindow`). ``(incarnation, seq)`` numbers a producer's records (a
   random incarnation per process start, seq from 0), and ``sent_at`` dates them; both are signed.
@@ -74,6 +74,8 @@ ENTITLED: Final[Mapping[str, frozenset[str]]] = {
     "nexuskv.placement": frozenset({"planner"}),
     "nexuskv.transfers": frozenset({"planner"}),
     "nexuskv.transfer-results": frozenset({"executor"}),
+    # Offers to the remote tier's owner: its refusals delete objects, so only writers may offer.
+    "nexuskv.tier-offers": frozenset({"writer"}),
 }
 
 

@@ -3,7 +3,9 @@
 A worker never announces remote-tier blocks itself, and never evicts there: it writes each
 block's object (the backend verifies what it sends and acknowledges only what reads back) and
 builds one :class:`~nexuskv.contracts.tier_offers.TierOffer` of what it wrote, which the caller
-sends on ``nexuskv.tier-offers`` (:func:`streams.bus.topic_keys.route` keys it by writer). The
+sends on ``nexuskv.tier-offers`` (:func:`streams.bus.topic_keys.route` keys it by writer), signed
+as a control record of producer ``writer/<worker>`` (``streams.bus.clients.ControlSigner``; the
+owner refuses an unsigned offer under a bus secret). The
 remote-tier manager then admits or refuses each block (:mod:`nexuskv.dataplane.remote_ledger`).
 
 Blocks are written in chain order and the offer stops at the first block that could not be

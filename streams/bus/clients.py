@@ -46,7 +46,7 @@ from nexuskv.contracts.control_signature import ControlVerifier, Envelope, Refus
 from nexuskv.contracts.dead_letter import MAX_PAYLOAD, DeadLetter
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
-from nexuskv.contracts.topics import DEAD_LETTER, PLACEMENT, TRANSFER_RESULTS, TRANSFERS, Topic
+from nexuskv.contracts.topics import DEAD_LETTER, PLACEMENT, TIER_OFFERS, TRANSFER_RESULTS, TRANSFERS, Topic
 from nexuskv.errors import NexusKVError, ReplayedError, UnauthenticatedError
 from streams.bus import tuning
 from streams.bus.metrics import METRICS
@@ -111,7 +111,7 @@ def default_signer() -> BatchSigner:
 
 
 #: The topics whose records are signed by producer (:mod:`nexuskv.contracts.control_signature`).
-CONTROL_TOPICS: Final = frozenset({PLACEMENT.name, TRANSFERS.name, TRANSFER_RESULTS.name})
+CONTROL_TOPICS: Final = frozenset({PLACEMENT.name, TRANSFERS.name, TRANSFER_RESULTS.name, TIER_OFFERS.name})
 _REPLAY_CODES = frozenset({"replayed", "stale", "outside_window", "window_full"})
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nexuskv.admission import ReuseModel
+from nexuskv.contracts.control_signature import ControlVerifier, ReplayWindow, producer_key
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.tier_state import TierStateRecord
@@ -29,7 +30,7 @@ from nexuskv.dataplane.remote_offers import save_and_offer
 from nexuskv.dataplane.tier_facts import TierFacts
 from nexuskv.descriptor import Tier
 from nexuskv.index import GlobalIndex
-from streams.bus.clients import make_producer, send
+from streams.bus.clients import ControlSigner, make_producer, send
 from streams.bus.topic_keys import route
 from streams.bus.topics import ensure_topics
 from streams.remote_tier_manager import RemoteTierBus, RemoteTierOwner
@@ -39,6 +40,7 @@ from tests.streams.test_tier_manager import _collect
 
 TIMEOUT_S = 60
 OBJ = BLOCK_BYTES + HEADER_BYTES
+SECRET = b"remote-tier-test-secret-0123456789"
 
 
 async def _until(check, timeout_s: float = TIMEOUT_S, what: str = "condition"):
@@ -60,8 +62,10 @@ async def test_the_owner_admits_evicts_collects_and_keeps_its_index_true(kafka_u
     ledger = RemoteLedger(40 * OBJ, low_watermark=0.8, high_watermark=0.9, lease_s=30.0,
                           reuse=ReuseModel(half_life_s=5.0))
     owner = RemoteTierOwner(remote_backend, ledger, TierFacts(name, lambda b: holder[0].publish_batch(b)), name=name)
-    bus = RemoteTierBus(kafka_url, owner, state_interval_s=0.2, sweep_interval_s=0.5,
-                        group_id=f"test-{name}")
+    # Under a bus secret: offers are taken only when signed by a writer, once.
+    bus = RemoteTierBus(kafka_url, owner, state_interval_s=0.2, sweep_interval_s=0.5, group_id=f"test-{name}",
+                        verifier=ControlVerifier(SECRET, window=ReplayWindow(max_age_s=300)))
+    writer = ControlSigner("writer/w-test", key=producer_key(SECRET, "writer/w-test"))
     holder.append(bus)
     stop = asyncio.Event()
     task = asyncio.create_task(bus.run(stop))
@@ -81,7 +85,7 @@ async def test_the_owner_admits_evicts_collects_and_keeps_its_index_true(kafka_u
                 assert save.failed == 0, save.reasons  # the owner keeps room: no put fails
                 written += save.written + save.already
                 for offer in save.offers:
-                    await send(producer, *route(offer), offer)
+                    await send(producer, *route(offer), offer, control=writer)
                     sent += 1
             # The headroom of 40 objects is for the saves of one round in flight, not for 160 at once.
             await _until(lambda: bus.offers >= sent, what=f"{sent} offers decided")
@@ -98,20 +102,37 @@ async def test_the_owner_admits_evicts_collects_and_keeps_its_index_true(kafka_u
                                        identity=IDENTITY, block_size=BLOCK_TOKENS, offer_id="forged", now=time.time())
         (offer,) = save.offers
         bad = offer.model_copy(update={"blocks": (offer.blocks[0].model_copy(update={"checksum": 1}),)})
-        await send(producer, *route(bad), bad)
+        await send(producer, *route(bad), bad, control=writer)
+        # An unsigned offer, and one signed by a producer that is not a writer, are dead-lettered
+        # and change nothing (here: the blocks would have been admitted otherwise).
+        stray = save_blocks(chain_tokens(901, 2))
+        save = await asyncio.to_thread(save_and_offer, remote_backend, stray, writer="w-test", tenant="acme",
+                                       identity=IDENTITY, block_size=BLOCK_TOKENS, offer_id="stray", now=time.time())
+        (offer,) = save.offers
+        await send(producer, *route(offer), offer)
+        planner = ControlSigner("planner/p", key=producer_key(SECRET, "planner/p"))
+        await send(producer, *route(offer), offer.model_copy(update={"offer_id": "stray-2"}), control=planner)
         # A malformed offer is dead-lettered with the reason.
-        await producer.send_and_wait(TIER_OFFERS.name, b"not an offer", key=b"w-test")
+        value = b"not an offer"
+        await producer.send_and_wait(TIER_OFFERS.name, value, key=b"w-test",
+                                     headers=[writer.header(TIER_OFFERS, b"w-test", value)])
         # An object nobody offers is collected after the lease (as is the forged one).
         orphan = PayloadKey("tiny-desc", (77 << 64) | 1)
         data = torch.full((BLOCK_BYTES,), 3, dtype=torch.uint8)
         await asyncio.to_thread(remote_backend.put, PayloadHeader.for_data(orphan, host_view(data)), data)
-        await _until(lambda: remote_backend.header(orphan) is None and remote_backend.header(forged[0].key) is None,
+        await _until(lambda: all(remote_backend.header(k) is None for k in (orphan, forged[0].key, stray[0].key)),
                      what="unoffered objects collected")
+        assert not any(ledger.holds(b.key) for b in stray)
         assert not ledger.holds(forged[0].key) and owner.counters["header_mismatch"] >= 1
         letters = await _collect(kafka_url, DEAD_LETTER, lambda d: isinstance(d, DeadLetter)
                                  and d.source_topic == TIER_OFFERS.name and d.payload == b"not an offer",
                                  until=lambda ds: len(ds) >= 1)
         assert letters[0].reason and letters[0].service == "remote-tier-manager"
+        refused = await _collect(kafka_url, DEAD_LETTER, lambda d: isinstance(d, DeadLetter)
+                                 and d.source_topic == TIER_OFFERS.name and b"stray" in d.payload,
+                                 until=lambda ds: len(ds) >= 2)
+        reasons = " | ".join(d.reason for d in refused)
+        assert "unsigned" in reasons and "may not send here" in reasons, reasons
         states = await _collect(kafka_url, TIER_STATE, lambda r: isinstance(r, TierStateRecord) and r.worker == name,
                                 until=lambda rs: any(r.counters.get("evicted", 0) > 0 for r in rs))
         last = states[-1]
