@@ -219,6 +219,9 @@ class EventBridge:
         # The send window: waits for an acknowledgement because it was full, the most records in flight.
         self.window_stats = {"window_full": 0, "in_flight_max": 0}
         self._in_flight: deque[_InFlight] = deque()
+        # Batches received and not yet sent (a repair delivers thousands at once): a stop leaves them
+        # here for the next run; a new bridge process resumes before them (the state file).
+        self._backlog: deque[RawBatch] = deque()
         self._load_state()
         # What the broker acknowledged, per topic: the resume points the state file keeps.
         self._acked: dict[str, _Publisher] = {t: _Publisher(p.incarnation, p.next_seq)
@@ -267,6 +270,10 @@ class EventBridge:
                   stop: asyncio.Event | None = None) -> None:
         """Forward until ``stop`` is set (or cancelled); returns once every record sent is acknowledged.
 
+        A stop takes effect between two batches, also in the middle of a repair's thousands; the
+        batches not sent yet wait for the next :meth:`run` (a bridge process started again
+        resumes before them, from the state file).
+
         A record the broker finally refuses (the producer gave up retrying) raises here, after the
         state file was written up to the last acknowledged batch before it.
         """
@@ -274,6 +281,9 @@ class EventBridge:
         receive: asyncio.Future | None = None
         stopped = asyncio.ensure_future(stop.wait())
         try:
+            while self._backlog and not stop.is_set():  # what an earlier run received and did not send
+                await self.forward(self._backlog[0], producer)
+                self._backlog.popleft()
             while not stop.is_set():
                 if receive is None:
                     receive = asyncio.ensure_future(subscriber.receive())
@@ -286,9 +296,11 @@ class EventBridge:
                 if acked is not None and not acked.done():
                     acked.cancel()
                 if receive in done:
-                    batches, receive = receive.result(), None
-                    for raw in batches:
-                        await self.forward(raw, producer)
+                    self._backlog.extend(receive.result())
+                    receive = None
+                    while self._backlog and not stop.is_set():  # a stop does not wait for a long repair
+                        await self.forward(self._backlog[0], producer)
+                        self._backlog.popleft()
                 elif stopped in done:
                     break
                 self._settle()
