@@ -1,6 +1,7 @@
 """The KV-event bridge keeping up: a 10k-batch replay from SGLang's own publisher to Apache Kafka.
 
-Each run, per arm, uses a fresh SGLang 0.5.23 ``ZmqEventPublisher`` (loopback TCP, its replay
+Each run, per arm, uses a fresh SGLang 0.5.23 ``ZmqEventPublisher`` in a process of its own, as an
+engine's is (loopback TCP, its replay
 buffer of 10,000 batches) that publishes ``--batches`` - 1 engine batches (one to four stored pages
 of ``--page`` tokens each, sometimes a removal) before any bridge listens: ZMQ drops them live,
 SGLang buffers them. A :class:`~streams.bridge.EventBridge` then starts on that engine, and one more
@@ -31,8 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,39 +43,85 @@ from benchmarks._attack_broker import attack_broker
 from benchmarks._result import Run, write_result
 from tests.connectors.sglang_real.events import Line
 
-
-def _events(kv, rng: random.Random, page: int) -> list:
+# The engine: SGLang's publisher in a process of its own (as in a deployment: no GIL shared with the
+# bridge). stdin: "prepare N" builds N batches, "go" publishes them, "quit" shuts the publisher down.
+_ENGINE = r"""
+import random, sys, time
+from sglang.srt.disaggregation import kv_events as kv
+port, replay, topic, page, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                                 topic=topic, bind=True)
+rng = random.Random(seed)
+def batch():
     hashes = [rng.randrange(0, 1 << 63) for _ in range(rng.randint(1, 4))]
-    events = [kv.BlockStored(block_hashes=hashes, parent_block_hash=None,
-                             token_ids=[rng.randrange(1, 150_000) for _ in range(page * len(hashes))],
-                             block_size=page, lora_id=None, medium="GPU")]
+    events = [kv.BlockStored(block_hashes=hashes, parent_block_hash=None, block_size=page, lora_id=None, medium="GPU",
+                             token_ids=[rng.randrange(1, 150_000) for _ in range(page * len(hashes))])]
     if rng.random() < 0.2:
         events.append(kv.BlockRemoved(block_hashes=[rng.randrange(0, 1 << 63)], medium="GPU"))
     return events
+ready = []
+print("up", flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "prepare":
+        ready = [batch() for _ in range(int(cmd[1]))]
+        print("ready", flush=True)
+    elif cmd[0] == "go":
+        for events in ready:
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
+        while not publisher._event_queue.empty():
+            time.sleep(0.01)
+        print("sent", flush=True)
+    elif cmd[0] == "quit":
+        break
+publisher.shutdown()
+"""
+
+
+class _Engine:
+    """SGLang 0.5.23's ZmqEventPublisher in a child process, bound on the line's ports."""
+
+    def __init__(self, line: Line, page: int, seed: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _ENGINE, str(line.port), str(line.replay_port), line.topic,
+                                      str(page), str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("up")
+
+    def _expect(self, word: str) -> None:
+        got = self.proc.stdout.readline().strip()
+        if got != word:
+            raise RuntimeError(f"the engine process said {got!r}, not {word!r} (exit {self.proc.poll()})")
+
+    async def command(self, cmd: str, reply: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        await asyncio.to_thread(self._expect, reply)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
 
 
 async def _arm(url, folder: Path, *, mode: str, batches: int, page: int, window: int, max_s: float, seed: int,
                verify: bool) -> dict:
     """One arm: ``replay``: publish the history, start the bridge, time the repair; ``live``: start the
     bridge, publish the batches back to back, time their forwarding. Returns its figures."""
-    from sglang.srt.disaggregation import kv_events as kv
-
     line = Line(url, folder, page=page, window=window)
-    publisher = line.publisher()
-    rng = random.Random(seed)
-    events = [_events(kv, rng, page) for _ in range(batches)]
+    engine = _Engine(line, page, seed)
     try:
         if mode == "replay":
-            for e in events[:-1]:  # the history; with the trigger, ``batches`` fill SGLang's buffer
-                publisher.publish(kv.KVEventBatch(ts=time.time(), events=e))
-            while not publisher._event_queue.empty():  # SGLang's publisher thread has sent (and buffered) them all
-                await asyncio.sleep(0.05)
+            await engine.command(f"prepare {batches - 1}", "ready")  # the history; with the trigger, ``batches``
+            await engine.command("go", "sent")  # fill SGLang's buffer
             await asyncio.sleep(0.5)
+        await engine.command(f"prepare {1 if mode == 'replay' else batches}", "ready")
         await line.start_bridge()
         await asyncio.sleep(0.5)  # the SUB connection settles
         start = time.perf_counter()
-        for e in events[-1:] if mode == "replay" else events:
-            publisher.publish(kv.KVEventBatch(ts=time.time(), events=e))
+        await engine.command("go", "sent")
         total = batches
         deadline = start + max_s
         while line.bridge.stats["forwarded"] < total and time.perf_counter() < deadline:
@@ -93,7 +141,7 @@ async def _arm(url, folder: Path, *, mode: str, batches: int, page: int, window:
             out["verified_in_order"] = total
         return out
     finally:
-        publisher.shutdown()
+        engine.close()
         await line.close()
 
 

@@ -117,6 +117,10 @@ DEFAULT_MEDIUMS: dict[str, Tier] = {
 #: enough to cover a loopback or in-zone round trip at thousands of batches a second.
 DEFAULT_WINDOW = 256
 
+#: At most one state file write per this many seconds while forwarding (and one at every stop): a
+#: bridge that crashes resumes up to this much earlier, and the index drops what it already applied.
+STATE_INTERVAL_S = 0.1
+
 #: The tiers an engine's ``AllBlocksCleared`` empties (None: all of the publisher's).
 ENGINE_CLEARS: dict[str, tuple[Tier | None, ...]] = {"vllm": (Tier.GPU,), "sglang": (None,)}
 
@@ -227,6 +231,7 @@ class EventBridge:
         self._acked: dict[str, _Publisher] = {t: _Publisher(p.incarnation, p.next_seq)
                                               for t, p in self._publishers.items()}
         self._acked_dirty = False
+        self._saved_at = float("-inf")
 
     def resume_points(self) -> dict[str, int]:
         """Next engine sequence number per topic, for :class:`KvEventSubscriber` after a restart."""
@@ -279,6 +284,7 @@ class EventBridge:
         """
         stop = stop or asyncio.Event()
         receive: asyncio.Future | None = None
+        acked: asyncio.Future | None = None  # waits for the oldest record's acknowledgement
         stopped = asyncio.ensure_future(stop.wait())
         try:
             while self._backlog and not stop.is_set():  # what an earlier run received and did not send
@@ -287,14 +293,13 @@ class EventBridge:
             while not stop.is_set():
                 if receive is None:
                     receive = asyncio.ensure_future(subscriber.receive())
-                waits = {receive, stopped}
-                acked = None
-                if self._in_flight:  # while the engine is quiet, acknowledgements still move the state file
-                    acked = asyncio.ensure_future(asyncio.wait([self._in_flight[0].future]))
-                    waits.add(acked)
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if acked is not None and not acked.done():
-                    acked.cancel()
+                if acked is None and self._in_flight:  # while the engine is quiet, acknowledgements
+                    acked = asyncio.ensure_future(asyncio.wait([self._in_flight[0].future]))  # move the state
+                waits = {receive, stopped} | ({acked} if acked is not None else set())
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED,  # a state write
+                                             timeout=STATE_INTERVAL_S if self._acked_dirty else None)  # due
+                if acked in done:
+                    acked = None
                 if receive in done:
                     self._backlog.extend(receive.result())
                     receive = None
@@ -304,10 +309,10 @@ class EventBridge:
                 elif stopped in done:
                     break
                 self._settle()
-                self._save_state()
+                self._save_state(min_interval_s=STATE_INTERVAL_S)
             await self.drain()
         finally:
-            for task in (receive, stopped):
+            for task in (receive, stopped, acked):
                 if task is not None and not task.done():
                     task.cancel()
             self._save_state()
@@ -405,11 +410,16 @@ class EventBridge:
         tmp.write_bytes(msgspec.msgpack.encode({p: k.export() for p, k in self._keyers.items()}))
         os.replace(tmp, path.with_suffix(".keys"))
 
-    def _save_state(self) -> None:
-        """Write the acknowledged resume points (when they moved since the last write)."""
+    def _save_state(self, *, min_interval_s: float = 0.0) -> None:
+        """Write the acknowledged resume points (when they moved since the last write, and at most
+        every ``min_interval_s``: a file write per batch would cost more than the batch)."""
         path = self.config.state_file
         if path is None or not self._acked_dirty:
             return
+        now = time.monotonic()
+        if min_interval_s and now - self._saved_at < min_interval_s:
+            return
+        self._saved_at = now
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"publishers": {t: {"incarnation": p.incarnation, "next_seq": p.next_seq}
