@@ -1,6 +1,7 @@
 """The KV-event bridge keeping up: a 10k-batch replay from SGLang's own publisher to Apache Kafka.
 
-Each run, per arm, uses a fresh SGLang 0.5.23 ``ZmqEventPublisher`` (loopback TCP, its replay
+Each run, per arm, uses a fresh SGLang 0.5.23 ``ZmqEventPublisher`` in a process of its own, as an
+engine's is (loopback TCP, its replay
 buffer of 10,000 batches) that publishes ``--batches`` - 1 engine batches (one to four stored pages
 of ``--page`` tokens each, sometimes a removal) before any bridge listens: ZMQ drops them live,
 SGLang buffers them. A :class:`~streams.bridge.EventBridge` then starts on that engine, and one more
@@ -18,9 +19,12 @@ acknowledgement of the last one: the repair of a ``--batches`` gap, end to end. 
 
 After each pipelined arm the records are read back from Kafka and checked: every batch once,
 in order. Broker: ``NEXUSKV_BROKER`` when set, else a local Apache Kafka started for the run.
-Writes ``benchmarks/results/bridge_replay_batches_per_s.json``.
+``--mode live`` instead starts the bridge first and has the publisher send the batches back to
+back: the bridge's sustained rate on live traffic (one batch per ZMQ message, no replay rounds).
 
-Run: ``python -m benchmarks.bench_bridge [--batches 10000] [--runs 3] [--window 256]``
+Writes ``benchmarks/results/bridge_<mode>_batches_per_s.json``.
+
+Run: ``python -m benchmarks.bench_bridge [--mode replay|live] [--batches 10000] [--runs 3] [--window 256]``
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,35 +43,85 @@ from benchmarks._attack_broker import attack_broker
 from benchmarks._result import Run, write_result
 from tests.connectors.sglang_real.events import Line
 
-
-def _events(kv, rng: random.Random, page: int) -> list:
+# The engine: SGLang's publisher in a process of its own (as in a deployment: no GIL shared with the
+# bridge). stdin: "prepare N" builds N batches, "go" publishes them, "quit" shuts the publisher down.
+_ENGINE = r"""
+import random, sys, time
+from sglang.srt.disaggregation import kv_events as kv
+port, replay, topic, page, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                                 topic=topic, bind=True)
+rng = random.Random(seed)
+def batch():
     hashes = [rng.randrange(0, 1 << 63) for _ in range(rng.randint(1, 4))]
-    events = [kv.BlockStored(block_hashes=hashes, parent_block_hash=None,
-                             token_ids=[rng.randrange(1, 150_000) for _ in range(page * len(hashes))],
-                             block_size=page, lora_id=None, medium="GPU")]
+    events = [kv.BlockStored(block_hashes=hashes, parent_block_hash=None, block_size=page, lora_id=None, medium="GPU",
+                             token_ids=[rng.randrange(1, 150_000) for _ in range(page * len(hashes))])]
     if rng.random() < 0.2:
         events.append(kv.BlockRemoved(block_hashes=[rng.randrange(0, 1 << 63)], medium="GPU"))
     return events
+ready = []
+print("up", flush=True)
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "prepare":
+        ready = [batch() for _ in range(int(cmd[1]))]
+        print("ready", flush=True)
+    elif cmd[0] == "go":
+        for events in ready:
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
+        while not publisher._event_queue.empty():
+            time.sleep(0.01)
+        print("sent", flush=True)
+    elif cmd[0] == "quit":
+        break
+publisher.shutdown()
+"""
 
 
-async def _arm(url, folder: Path, *, batches: int, page: int, window: int, max_s: float, seed: int,
+class _Engine:
+    """SGLang 0.5.23's ZmqEventPublisher in a child process, bound on the line's ports."""
+
+    def __init__(self, line: Line, page: int, seed: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _ENGINE, str(line.port), str(line.replay_port), line.topic,
+                                      str(page), str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("up")
+
+    def _expect(self, word: str) -> None:
+        got = self.proc.stdout.readline().strip()
+        if got != word:
+            raise RuntimeError(f"the engine process said {got!r}, not {word!r} (exit {self.proc.poll()})")
+
+    async def command(self, cmd: str, reply: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        await asyncio.to_thread(self._expect, reply)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+async def _arm(url, folder: Path, *, mode: str, batches: int, page: int, window: int, max_s: float, seed: int,
                verify: bool) -> dict:
-    """One arm: publish the history, start the bridge, time the repair. Returns its figures."""
-    from sglang.srt.disaggregation import kv_events as kv
-
+    """One arm: ``replay``: publish the history, start the bridge, time the repair; ``live``: start the
+    bridge, publish the batches back to back, time their forwarding. Returns its figures."""
     line = Line(url, folder, page=page, window=window)
-    publisher = line.publisher()
-    rng = random.Random(seed)
+    engine = _Engine(line, page, seed)
     try:
-        for _ in range(batches - 1):  # the history; with the trigger, ``batches`` fill SGLang's buffer
-            publisher.publish(kv.KVEventBatch(ts=time.time(), events=_events(kv, rng, page)))
-        while not publisher._event_queue.empty():  # SGLang's publisher thread has sent (and buffered) them all
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        if mode == "replay":
+            await engine.command(f"prepare {batches - 1}", "ready")  # the history; with the trigger, ``batches``
+            await engine.command("go", "sent")  # fill SGLang's buffer
+            await asyncio.sleep(0.5)
+        await engine.command(f"prepare {1 if mode == 'replay' else batches}", "ready")
         await line.start_bridge()
         await asyncio.sleep(0.5)  # the SUB connection settles
         start = time.perf_counter()
-        publisher.publish(kv.KVEventBatch(ts=time.time(), events=_events(kv, rng, page)))
+        await engine.command("go", "sent")
         total = batches
         deadline = start + max_s
         while line.bridge.stats["forwarded"] < total and time.perf_counter() < deadline:
@@ -86,31 +141,32 @@ async def _arm(url, folder: Path, *, batches: int, page: int, window: int, max_s
             out["verified_in_order"] = total
         return out
     finally:
-        publisher.shutdown()
+        engine.close()
         await line.close()
 
 
 async def _main(args: argparse.Namespace) -> None:
+    name = f"bridge_{args.mode}_batches_per_s"
     with attack_broker() as url, tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp:
         runs, arms = [], []
         for r in range(args.runs):
             folder = Path(tmp) / f"run{r}"
             folder.mkdir()
-            piped = await _arm(url, folder, batches=args.batches, page=args.page, window=args.window,
+            piped = await _arm(url, folder, mode=args.mode, batches=args.batches, page=args.page, window=args.window,
                                max_s=args.max_s, seed=r, verify=True)
-            base = await _arm(url, folder, batches=args.batches, page=args.page, window=1,
+            base = await _arm(url, folder, mode=args.mode, batches=args.batches, page=args.page, window=1,
                               max_s=args.baseline_max_s, seed=r, verify=False)
             print(f"run {r}: pipelined {piped['batches_per_s']:.0f} batches/s ({piped['elapsed_s']:.2f} s for "
                   f"{piped['forwarded']}), window=1 {base['batches_per_s']:.0f} batches/s "
-                  f"({base['forwarded']} in {base['elapsed_s']:.1f} s{'' if base['finished'] else ', stopped'})",
-                  flush=True)
+                  f"({base['forwarded']} in {base['elapsed_s']:.1f} s{'' if base['finished'] else ', stopped'}); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
             runs.append(Run(piped["batches_per_s"], base["batches_per_s"]))
-            arms.append({"pipelined": piped, "window_1": base})
+            arms.append({"pipelined": piped, "window_1": base, "load_average_1m": os.getloadavg()[0]})
         load = os.getloadavg()
         details = {
-            "batches": args.batches, "page_tokens": args.page, "window": args.window,
-            "repair_s_pipelined_median": statistics.median(a["pipelined"]["elapsed_s"] for a in arms),
-            "repair_s_pipelined_max": max(a["pipelined"]["elapsed_s"] for a in arms),
+            "mode": args.mode, "batches": args.batches, "page_tokens": args.page, "window": args.window,
+            "seconds_pipelined_median": statistics.median(a["pipelined"]["elapsed_s"] for a in arms),
+            "seconds_pipelined_max": max(a["pipelined"]["elapsed_s"] for a in arms),
             "baseline_finished": [a["window_1"]["finished"] for a in arms],
             "baseline_max_s": args.baseline_max_s,
             "broker": "NEXUSKV_BROKER" if os.environ.get("NEXUSKV_BROKER") else "local Apache Kafka (streams.bus.broker)",
@@ -119,18 +175,20 @@ async def _main(args: argparse.Namespace) -> None:
                        "(shared with other engineers' work)",
             "arms": arms,
         }
-        path = write_result("bridge_replay_batches_per_s", f"batches/s through the bridge to Kafka, a {args.batches}"
-                            "-batch replay from SGLang's publisher", "batches/s", runs,
+        what = (f"a {args.batches}-batch replay (gap repair) from SGLang's publisher" if args.mode == "replay"
+                else f"{args.batches} batches published back to back by SGLang's publisher")
+        path = write_result(name, f"batches/s through the bridge to Kafka, {what}", "batches/s", runs,
                             "window=1 (each acknowledgement awaited, the previous send)",
-                            f"python -m benchmarks.bench_bridge --batches {args.batches} --runs {args.runs} "
-                            f"--window {args.window} --page {args.page} --baseline-max-s {args.baseline_max_s:g}",
-                            details)
+                            f"python -m benchmarks.bench_bridge --mode {args.mode} --batches {args.batches} "
+                            f"--runs {args.runs} --window {args.window} --page {args.page} "
+                            f"--baseline-max-s {args.baseline_max_s:g}", details)
         print(f"wrote {path}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=10_000, help="the history replayed (SGLang buffers 10,000)")
+    ap.add_argument("--mode", choices=["replay", "live"], default="replay")
+    ap.add_argument("--batches", type=int, default=10_000, help="batches (a replay: SGLang buffers 10,000)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--page", type=int, default=16)

@@ -117,6 +117,10 @@ DEFAULT_MEDIUMS: dict[str, Tier] = {
 #: enough to cover a loopback or in-zone round trip at thousands of batches a second.
 DEFAULT_WINDOW = 256
 
+#: At most one state file write per this many seconds while forwarding (and one at every stop): a
+#: bridge that crashes resumes up to this much earlier, and the index drops what it already applied.
+STATE_INTERVAL_S = 0.1
+
 #: The tiers an engine's ``AllBlocksCleared`` empties (None: all of the publisher's).
 ENGINE_CLEARS: dict[str, tuple[Tier | None, ...]] = {"vllm": (Tier.GPU,), "sglang": (None,)}
 
@@ -219,11 +223,15 @@ class EventBridge:
         # The send window: waits for an acknowledgement because it was full, the most records in flight.
         self.window_stats = {"window_full": 0, "in_flight_max": 0}
         self._in_flight: deque[_InFlight] = deque()
+        # Batches received and not yet sent (a repair delivers thousands at once): a stop leaves them
+        # here for the next run; a new bridge process resumes before them (the state file).
+        self._backlog: deque[RawBatch] = deque()
         self._load_state()
         # What the broker acknowledged, per topic: the resume points the state file keeps.
         self._acked: dict[str, _Publisher] = {t: _Publisher(p.incarnation, p.next_seq)
                                               for t, p in self._publishers.items()}
         self._acked_dirty = False
+        self._saved_at = float("-inf")
 
     def resume_points(self) -> dict[str, int]:
         """Next engine sequence number per topic, for :class:`KvEventSubscriber` after a restart."""
@@ -267,35 +275,44 @@ class EventBridge:
                   stop: asyncio.Event | None = None) -> None:
         """Forward until ``stop`` is set (or cancelled); returns once every record sent is acknowledged.
 
+        A stop takes effect between two batches, also in the middle of a repair's thousands; the
+        batches not sent yet wait for the next :meth:`run` (a bridge process started again
+        resumes before them, from the state file).
+
         A record the broker finally refuses (the producer gave up retrying) raises here, after the
         state file was written up to the last acknowledged batch before it.
         """
         stop = stop or asyncio.Event()
         receive: asyncio.Future | None = None
+        acked: asyncio.Future | None = None  # waits for the oldest record's acknowledgement
         stopped = asyncio.ensure_future(stop.wait())
         try:
+            while self._backlog and not stop.is_set():  # what an earlier run received and did not send
+                await self.forward(self._backlog[0], producer)
+                self._backlog.popleft()
             while not stop.is_set():
                 if receive is None:
                     receive = asyncio.ensure_future(subscriber.receive())
-                waits = {receive, stopped}
-                acked = None
-                if self._in_flight:  # while the engine is quiet, acknowledgements still move the state file
-                    acked = asyncio.ensure_future(asyncio.wait([self._in_flight[0].future]))
-                    waits.add(acked)
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if acked is not None and not acked.done():
-                    acked.cancel()
+                if acked is None and self._in_flight:  # while the engine is quiet, acknowledgements
+                    acked = asyncio.ensure_future(asyncio.wait([self._in_flight[0].future]))  # move the state
+                waits = {receive, stopped} | ({acked} if acked is not None else set())
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED,  # a state write
+                                             timeout=STATE_INTERVAL_S if self._acked_dirty else None)  # due
+                if acked in done:
+                    acked = None
                 if receive in done:
-                    batches, receive = receive.result(), None
-                    for raw in batches:
-                        await self.forward(raw, producer)
+                    self._backlog.extend(receive.result())
+                    receive = None
+                    while self._backlog and not stop.is_set():  # a stop does not wait for a long repair
+                        await self.forward(self._backlog[0], producer)
+                        self._backlog.popleft()
                 elif stopped in done:
                     break
                 self._settle()
-                self._save_state()
+                self._save_state(min_interval_s=STATE_INTERVAL_S)
             await self.drain()
         finally:
-            for task in (receive, stopped):
+            for task in (receive, stopped, acked):
                 if task is not None and not task.done():
                     task.cancel()
             self._save_state()
@@ -393,11 +410,16 @@ class EventBridge:
         tmp.write_bytes(msgspec.msgpack.encode({p: k.export() for p, k in self._keyers.items()}))
         os.replace(tmp, path.with_suffix(".keys"))
 
-    def _save_state(self) -> None:
-        """Write the acknowledged resume points (when they moved since the last write)."""
+    def _save_state(self, *, min_interval_s: float = 0.0) -> None:
+        """Write the acknowledged resume points (when they moved since the last write, and at most
+        every ``min_interval_s``: a file write per batch would cost more than the batch)."""
         path = self.config.state_file
         if path is None or not self._acked_dirty:
             return
+        now = time.monotonic()
+        if min_interval_s and now - self._saved_at < min_interval_s:
+            return
+        self._saved_at = now
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"publishers": {t: {"incarnation": p.incarnation, "next_seq": p.next_seq}

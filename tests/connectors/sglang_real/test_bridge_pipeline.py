@@ -88,3 +88,79 @@ async def test_window_one_is_one_acknowledgement_at_a_time(kafka_url, tmp_path):
         assert [b.seq for b in await line.read(200)] == list(range(200))
     finally:
         await line.close()
+
+
+async def test_a_stop_during_a_repair_is_prompt_and_loses_nothing(kafka_url, tmp_path):
+    """A repair hands the bridge hundreds of batches at once; a stop takes effect between two of
+    them (not after the whole repair), and the next run sends the rest, in order."""
+    from sglang.srt.disaggregation import kv_events as kv
+
+    line = Line(kafka_url, tmp_path, page=PAGE, window=1)
+    publisher = line.publisher()
+    rng = random.Random(3)
+    try:
+        for _ in range(600):  # before the bridge listens: SGLang buffers them for replay
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=_batch(kv, rng)))
+        await asyncio.sleep(1.0)
+        await line.start_bridge()
+        await asyncio.sleep(0.5)
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=_batch(kv, rng)))  # the repair starts
+        await line.wait_forwarded(20)
+        started = time.monotonic()
+        line._stop.set()  # the bridge stops; its subscriber stays (as in a restart of run())
+        await asyncio.wait_for(line._task, 30)
+        assert time.monotonic() - started < 5
+        assert line.bridge.stats["forwarded"] < 601 and line.bridge.in_flight == 0
+        state = json.loads(line.state_file.read_text())["publishers"][line.topic]
+        assert state["next_seq"] == line.bridge.stats["forwarded"]  # acknowledged progress only
+        line._stop = asyncio.Event()
+        line._task = asyncio.create_task(line.bridge.run(line.subscriber, line._producer, stop=line._stop))
+        await line.wait_forwarded(601, timeout=120)
+        assert [b.seq for b in await line.read(601)] == list(range(601))
+    finally:
+        publisher.shutdown()
+        await line.close()
+
+
+async def test_a_batch_that_cannot_be_keyed_goes_to_the_dead_letter_topic_through_the_window(kafka_url, tmp_path):
+    """A batch with a medium the bridge cannot map is dead-lettered with its reason, in the same
+    window as the batches around it; they arrive in order, its number missing (the index sees the gap)."""
+    import uuid
+
+    from sglang.srt.disaggregation import kv_events as kv
+
+    from nexuskv.contracts.dead_letter import DeadLetter
+    from nexuskv.contracts.topics import DEAD_LETTER
+    from streams.bus.clients import decode_record, make_consumer
+
+    line = Line(kafka_url, tmp_path, page=PAGE, window=8)
+    publisher = line.publisher()
+    rng = random.Random(4)
+    try:
+        await line.start_bridge()
+        await asyncio.sleep(0.3)
+        for i in range(40):
+            events = _batch(kv, rng)
+            if i == 17:
+                events[0].medium = "NVME-OF"
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
+        await line.wait_forwarded(40)
+        assert line.bridge.stats["forwarded"] == 39 and line.bridge.stats["dead_lettered"] == 1
+        assert [b.seq for b in await line.read(39)] == [s for s in range(40) if s != 17]
+        consumer = make_consumer(kafka_url, DEAD_LETTER, client_id="dl-reader", group_id=f"g-{uuid.uuid4().hex}")
+        await consumer.start()
+        try:
+            mine: list[DeadLetter] = []
+            deadline = time.monotonic() + 30
+            while not mine and time.monotonic() < deadline:
+                for recs in (await consumer.getmany(timeout_ms=500)).values():
+                    for record in recs:
+                        letter = decode_record(DEAD_LETTER, record)
+                        if letter.source_topic == f"zmq:{line.topic}":
+                            mine.append(letter)
+            assert len(mine) == 1 and "unknown medium 'NVME-OF'" in mine[0].reason and mine[0].service == "kv-bridge"
+        finally:
+            await consumer.stop()
+    finally:
+        publisher.shutdown()
+        await line.close()
