@@ -344,7 +344,7 @@ class HiCacheCore:
         now = self.clock()
         total = p + loaded
         query = PlanQuery(request_id=f"hicache-{self.worker}-{now:.6f}", scope=self.scope, descriptor=d,
-                          keys=tuple(keys), prompt_tokens=total * d.block_size, arrival_at=now,
+                          keys=tuple(keys), prompt_tokens=total * d.block_size, arrival_at=now, at_admission=False,
                           candidates=(WorkerLoad(worker=self.worker, profile=profile),))
         chosen = plan(query, LookupResult(num_blocks=total, matches=tuple(matches)), model, execution,
                       now=now).chosen

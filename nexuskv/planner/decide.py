@@ -94,7 +94,10 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             options.append(Option(_RECOMPUTE, load.worker,
                                   rejected=f"no cost profile for {d.model} on {profile}: cannot be estimated"))
             continue
-        workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes))
+        # The fixed per-request cost is still ahead of a request planned at admission; an engine's own
+        # connector plans after its HTTP and tokenisation, so for it the term is 0.
+        request_s = model.request_seconds(d.model, profile, n) if query.at_admission else 0.0
+        workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes, request_s))
     if not workers:  # nothing can be priced: recompute where the least work waits (a load balancer's choice)
         least = min(query.candidates, key=lambda c: (c.queued_prefill_tokens, c.queued_prefill_requests, c.worker))
         chosen = next(o for o in options if o.worker == least.worker)
