@@ -343,8 +343,10 @@ class HiCacheCore:
         matches.sort(key=lambda m: (m.location.worker, m.location.tier, m.location.group))
         now = self.clock()
         total = p + loaded
+        # The pages priced are a prefix of the prompt, whose last token lies beyond them (the engine
+        # computes it itself; the planner never reuses it): one token more keeps every page reusable.
         query = PlanQuery(request_id=f"hicache-{self.worker}-{now:.6f}", scope=self.scope, descriptor=d,
-                          keys=tuple(keys), prompt_tokens=total * d.block_size, arrival_at=now, at_admission=False,
+                          keys=tuple(keys), prompt_tokens=total * d.block_size + 1, arrival_at=now, at_admission=False,
                           candidates=(WorkerLoad(worker=self.worker, profile=profile),))
         chosen = plan(query, LookupResult(num_blocks=total, matches=tuple(matches)), model, execution,
                       now=now).chosen
