@@ -25,7 +25,12 @@ import pyarrow as pa
 
 from analytics.schema import ALL_VIEWS, MIGRATIONS, TABLES
 from nexuskv.contracts.decisions import Decision
-from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, RequestObservation, TransferObservation
+from nexuskv.contracts.observations import (
+    ObservationRecord,
+    PrefillObservation,
+    RequestObservation,
+    TransferObservation,
+)
 from nexuskv.contracts.transfers import TransferResult
 
 __all__ = ["DecisionStore", "decision_row", "transfer_row", "observation_row", "COLUMNS"]

@@ -69,7 +69,7 @@ _Mat2 = tuple[tuple[float, float], tuple[float, float]]
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolation quantile of already sorted values."""
     pos = q * (len(sorted_values) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 

@@ -300,4 +300,4 @@ class MoveOverLink:
         return Option(action, wid, src, backend, prefix, moved, contiguous, nbytes,
                       CacheTerms(hw.lookup_s, queue_s, transfer, overlap, restore, hw.sync_s, interference, request_s),
                       tail, ttft, eg, std, lower, p_use, deadline, None,
-                      link.observations if link.observations < seen else seen)
+                      min(seen, link.observations))

@@ -11,6 +11,7 @@ import pytest
 
 from nexuskv.calibration import COMPUTE_SCALE, LINK_SCALE, Calibrator, FitKey, RecursiveFit, apply_entry
 from nexuskv.contracts import decode, encode
+from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.observations import (
     LoadObservation,
     ObservationRecord,
@@ -18,7 +19,6 @@ from nexuskv.contracts.observations import (
     RequestObservation,
     TransferObservation,
 )
-from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.contracts.topics import COST_MODELS
 from nexuskv.cost import ComputeCost, LinearCost, LinkCost
