@@ -238,7 +238,9 @@ class HiCacheCore:
         model = self.model()
         profile = self.profile or self.execution().planner.default_hardware_profile
         tiers = [b.capabilities.tier for b in (self.tiers.backends() if self.tiers is not None else ())]
-        links = {t: (None if t is Tier.GPU else model.link(profile, t, Tier.GPU)) for t in tiers}
+        # A page is one copy: a link fitted at this page size prices it, else the size-free prior.
+        links = {t: (None if t is Tier.GPU else model.link(profile, t, Tier.GPU, nbytes if nbytes > 0 else None))
+                 for t in tiers}
         usable = {t: lk for t, lk in links.items() if t is Tier.GPU or lk is not None}
         return block_gains(model.compute_for(d.model, profile), usable, block_tokens=d.block_size, position=position,
                            nbytes=nbytes)
