@@ -69,6 +69,7 @@ TABLES: dict[str, str] = {
             t_with_reuse_s DOUBLE NOT NULL,        -- predicted TTFT along the chosen action
             lookup_s DOUBLE, queue_s DOUBLE, transfer_s DOUBLE, overlap_s DOUBLE,
             restore_s DOUBLE, sync_s DOUBLE, interference_s DOUBLE, t_cache_s DOUBLE,
+            request_s DOUBLE,                      -- fixed per-request cost outside the forward pass (in t_cache_s)
             eg_s DOUBLE NOT NULL,                  -- predicted Effective Gain
             eg_std_s DOUBLE,
             eg_lower_s DOUBLE NOT NULL,            -- the conservative bound the gate used
@@ -99,7 +100,7 @@ TABLES: dict[str, str] = {
         CREATE TABLE IF NOT EXISTS observations (
             observation_id VARCHAR PRIMARY KEY,    -- topic/partition/offset: re-deliveries collapse
             observed_at DOUBLE NOT NULL,
-            kind VARCHAR NOT NULL,                 -- prefill | transfer | load
+            kind VARCHAR NOT NULL,                 -- prefill | transfer | load | request
             request_id VARCHAR,
             trace_id VARCHAR,
             worker VARCHAR,
@@ -108,7 +109,8 @@ TABLES: dict[str, str] = {
             source_tier VARCHAR, destination_tier VARCHAR, backend VARCHAR,
             bytes BIGINT, pages BIGINT, ok BOOLEAN,
             queued_prefill_tokens BIGINT, decode_blocks BIGINT, active_requests BIGINT,
-            duration_s DOUBLE
+            duration_s DOUBLE,
+            prompt_tokens BIGINT                   -- request: the prompt whose overhead duration_s is
         )""",
     "replay_runs": """
         CREATE TABLE IF NOT EXISTS replay_runs (
@@ -151,6 +153,8 @@ TABLES: dict[str, str] = {
 #: Columns added after a table's first release, for decision stores created before them (idempotent).
 MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE decisions ADD COLUMN IF NOT EXISTS explored BOOLEAN",
+    "ALTER TABLE decisions ADD COLUMN IF NOT EXISTS request_s DOUBLE",
+    "ALTER TABLE observations ADD COLUMN IF NOT EXISTS prompt_tokens BIGINT",
 )
 
 _OUTCOMES = """

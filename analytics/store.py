@@ -25,7 +25,12 @@ import pyarrow as pa
 
 from analytics.schema import ALL_VIEWS, MIGRATIONS, TABLES
 from nexuskv.contracts.decisions import Decision
-from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
+from nexuskv.contracts.observations import (
+    ObservationRecord,
+    PrefillObservation,
+    RequestObservation,
+    TransferObservation,
+)
 from nexuskv.contracts.transfers import TransferResult
 
 __all__ = ["DecisionStore", "decision_row", "transfer_row", "observation_row", "COLUMNS"]
@@ -63,7 +68,7 @@ def decision_row(d: Decision) -> dict[str, Any]:
         "t_compute_s": d.t_compute_s, "t_tail_s": d.t_tail_s, "t_with_reuse_s": d.t_with_reuse_s,
         "lookup_s": d.terms.lookup_s, "queue_s": d.terms.queue_s, "transfer_s": d.terms.transfer_s,
         "overlap_s": d.terms.overlap_s, "restore_s": d.terms.restore_s, "sync_s": d.terms.sync_s,
-        "interference_s": d.terms.interference_s, "t_cache_s": d.terms.total_s,
+        "interference_s": d.terms.interference_s, "request_s": d.terms.request_s, "t_cache_s": d.terms.total_s,
         "eg_s": d.eg_s, "eg_std_s": d.eg_std_s, "eg_lower_s": d.eg_lower_s, "p_use": d.p_use, "explored": d.explored,
         "reason": d.reason,
         "alternatives_json": json.dumps([a.model_dump(mode="json") for a in d.alternatives]),
@@ -91,6 +96,8 @@ def observation_row(rec: ObservationRecord, observation_id: str) -> dict[str, An
     if isinstance(o, PrefillObservation):
         row.update(model=o.model, profile=o.profile, uncached_tokens=o.uncached_tokens,
                    context_tokens=o.context_tokens, queued_s=o.queued_s)
+    elif isinstance(o, RequestObservation):
+        row.update(model=o.model, profile=o.profile, prompt_tokens=o.prompt_tokens)
     elif isinstance(o, TransferObservation):
         row.update(source_tier=o.source_tier.value, destination_tier=o.destination_tier.value, backend=o.backend,
                    bytes=o.bytes, pages=o.pages, ok=o.ok)

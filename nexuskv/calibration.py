@@ -3,6 +3,8 @@
 Both cost forms are linear in their parameters (:mod:`nexuskv.cost`), so one estimator fits both:
 
 * prefill observations fit ``T_compute(e, s) = c0 + c1*e + c2*e*s`` per (model, profile);
+* request observations fit the fixed per-request cost outside the forward pass (HTTP,
+  tokenisation) ``o0 + o1*prompt_tokens`` per (model, profile), features ``(1, n, 0)``;
 * completed transfer observations fit ``latency + pages*per_page + bytes*seconds_per_byte`` per
   (profile, source tier -> destination tier, page size). A transfer observation names its worker,
   not a profile: the profile is the one that worker's prefill observations named (else the
@@ -41,15 +43,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit, link_entry_id
-from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
+from nexuskv.contracts.cost_models import ComputeFit, CostModelEntry, LinkFit, OverheadFit, link_entry_id
+from nexuskv.contracts.observations import (
+    ObservationRecord,
+    PrefillObservation,
+    RequestObservation,
+    TransferObservation,
+)
 from nexuskv.cost import ComputeCost, CostModel, LinearCost, LinkCost, Vec3, page_bytes_of
 from nexuskv.descriptor import Tier
 
-__all__ = ["RecursiveFit", "FitKey", "Calibrator", "apply_entry", "COMPUTE_SCALE", "LINK_SCALE"]
+__all__ = ["RecursiveFit", "FitKey", "Calibrator", "apply_entry", "COMPUTE_SCALE", "LINK_SCALE", "OVERHEAD_SCALE"]
 
 COMPUTE_SCALE: Vec3 = (1.0, 1e4, 1e9)  # 1, e (tokens), e*s (tokens²)
 LINK_SCALE: Vec3 = (1.0, 1e3, 1e9)  # 1, pages, bytes
+OVERHEAD_SCALE: Vec3 = (1.0, 1e4, 1.0)  # 1, prompt tokens, (unused: always 0)
 PRIOR_NOISE = 0.1  # relative noise assumed when weighing the prior against data
 PRIOR_FLOOR = 1e2  # floor of a scaled parameter's prior variance, seconds² at the feature's scale
 METHOD = "weighted RLS (1/y² weights), shipped prior, forgetting {lam}"
@@ -189,7 +197,7 @@ class RecursiveFit:
 class FitKey:
     """What one fit is of: a compute profile or a link of a profile."""
 
-    kind: str  # "compute" | "link"
+    kind: str  # "compute" | "link" | "overhead"
     profile: str
     model: str = ""
     source: Tier | None = None
@@ -201,6 +209,8 @@ class FitKey:
         """The entry id on ``nexuskv.cost-models`` (:attr:`CostModelEntry.key`)."""
         if self.kind == "compute":
             return f"compute/{self.model}/{self.profile}"
+        if self.kind == "overhead":
+            return f"overhead/{self.model}/{self.profile}"
         return link_entry_id(self.profile, self.source, self.destination, self.page_bytes)  # type: ignore[arg-type]
 
 
@@ -221,6 +231,9 @@ class Calibrator:
             if key.kind == "compute":
                 prior_cost = self.base.compute_for(key.model, key.profile)
                 prior, scale = (prior_cost.params if prior_cost else LinearCost((0.0, 0.0, 0.0))), COMPUTE_SCALE
+            elif key.kind == "overhead":
+                prior_over = self.base.overheads.get((key.model, key.profile))
+                prior, scale = (prior_over.params if prior_over else LinearCost((0.0, 0.0, 0.0))), OVERHEAD_SCALE
             else:
                 prior_link = self.base.link(key.profile, key.source, key.destination)  # type: ignore[arg-type]
                 prior, scale = (prior_link.params if prior_link else LinearCost((0.0, 0.0, 0.0))), LINK_SCALE
@@ -245,6 +258,10 @@ class Calibrator:
                          page_bytes=page_bytes_of(obs.bytes, obs.pages))
             self._fit(key).update((1.0, float(obs.pages), float(obs.bytes)), obs.duration_s)
             return key
+        if isinstance(obs, RequestObservation):
+            key = FitKey("overhead", obs.profile, model=obs.model)
+            self._fit(key).update((1.0, float(obs.prompt_tokens), 0.0), obs.duration_s)
+            return key
         return None  # load observations describe workers, not costs
 
     def resume(self, entry: CostModelEntry) -> FitKey:
@@ -252,6 +269,8 @@ class Calibrator:
         fit = entry.entry
         if isinstance(fit, ComputeFit):
             key, scale = FitKey("compute", fit.profile, model=fit.model), COMPUTE_SCALE
+        elif isinstance(fit, OverheadFit):
+            key, scale = FitKey("overhead", fit.profile, model=fit.model), OVERHEAD_SCALE
         else:
             key = FitKey("link", fit.profile, source=fit.source_tier, destination=fit.destination_tier,
                          page_bytes=fit.page_bytes)
@@ -267,7 +286,9 @@ class Calibrator:
         version = self.versions.get(key, 0) + 1
         self.versions[key] = version
         if key.kind == "compute":
-            what: ComputeFit | LinkFit = ComputeFit(model=key.model, profile=key.profile)
+            what: ComputeFit | LinkFit | OverheadFit = ComputeFit(model=key.model, profile=key.profile)
+        elif key.kind == "overhead":
+            what = OverheadFit(model=key.model, profile=key.profile)
         else:
             what = LinkFit(profile=key.profile, source_tier=key.source, destination_tier=key.destination,
                            page_bytes=key.page_bytes)
@@ -285,6 +306,10 @@ def apply_entry(model: CostModel, entry: CostModelEntry) -> CostModel:
     if isinstance(fit, ComputeFit):
         return model.with_compute(ComputeCost(model=fit.model, profile=fit.profile, params=params, source=label,
                                               observations=entry.observations, version=entry.version))
+    if isinstance(fit, OverheadFit):
+        return model.with_overhead(ComputeCost(model=fit.model, profile=fit.profile, params=params,
+                                               source=f"per-request overhead {label}",
+                                               observations=entry.observations, version=entry.version))
     if fit.page_bytes is not None:
         label += f", copies of {fit.page_bytes}-byte pages"
     return model.with_link(LinkCost(profile=fit.profile, source=fit.source_tier, destination=fit.destination_tier,

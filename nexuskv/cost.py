@@ -270,6 +270,7 @@ class CacheTerms(NamedTuple):
     restore_s: float = 0.0
     sync_s: float = 0.0
     interference_s: float = 0.0
+    request_s: float = 0.0  # the fixed per-request cost outside the forward pass (HTTP, tokenisation)
 
     @property
     def visible_transfer_s(self) -> float:
@@ -277,9 +278,9 @@ class CacheTerms(NamedTuple):
 
     @property
     def total_s(self) -> float:
-        """``lookup + queue + max(0, transfer - overlap) + restore + sync + interference``."""
-        return (self.lookup_s + self.queue_s + self.visible_transfer_s + self.restore_s + self.sync_s
-                + self.interference_s)
+        """``request + lookup + queue + max(0, transfer - overlap) + restore + sync + interference``."""
+        return (self.request_s + self.lookup_s + self.queue_s + self.visible_transfer_s + self.restore_s
+                + self.sync_s + self.interference_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,12 +299,16 @@ class CostModel:
     links: Mapping[LinkKey, LinkCost]
     version: str = field(default="")
     sized_links: Mapping[SizedLinkKey, LinkCost] = field(default_factory=dict)
+    #: Fixed per-request cost outside the forward pass, ``o0 + o1*prompt_tokens`` per (model, profile),
+    #: as a ComputeCost over features ``(1, prompt_tokens, 0)`` (:meth:`request_seconds`).
+    overheads: Mapping[ComputeKey, ComputeCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hardware", MappingProxyType(dict(self.hardware)))
         object.__setattr__(self, "compute", MappingProxyType(dict(self.compute)))
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "sized_links", MappingProxyType(dict(self.sized_links)))
+        object.__setattr__(self, "overheads", MappingProxyType(dict(self.overheads)))
         if not self.version:
             object.__setattr__(self, "version", self._digest())
 
@@ -319,6 +324,7 @@ class CostModel:
             + [f"l|{k.profile}|{k.name}|{k.version}" for k in self.links.values() if k.observations]
             + [f"l|{k.profile}|{k.name}|{k.page_bytes}B|{k.version}" for k in self.sized_links.values()
                if k.observations]
+            + [f"o|{c.model}|{c.profile}|{c.version}" for c in self.overheads.values() if c.observations]
         )
         if not fitted:
             return self.base
@@ -335,6 +341,18 @@ class CostModel:
             if sized is not None:
                 return sized
         return self.links.get((profile, source, destination))
+
+    def request_seconds(self, model: str, profile: str, prompt_tokens: int) -> float:
+        """The fixed per-request cost of a prompt of ``prompt_tokens`` (0 where none was fitted)."""
+        cost = self.overheads.get((model, profile))
+        if cost is None:
+            return 0.0
+        return max(0.0, cost.params.predict(1.0, float(prompt_tokens), 0.0))
+
+    def with_overhead(self, cost: ComputeCost) -> CostModel:
+        merged = dict(self.overheads)
+        merged[cost.key] = cost
+        return replace(self, overheads=merged, version="")
 
     def with_compute(self, cost: ComputeCost) -> CostModel:
         merged = dict(self.compute)

@@ -69,7 +69,7 @@ _Mat2 = tuple[tuple[float, float], tuple[float, float]]
 def _quantile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolation quantile of already sorted values."""
     pos = q * (len(sorted_values) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
@@ -281,7 +281,8 @@ def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostMod
     hardware = dict(model.hardware)
     hardware.update({p: assumed_hardware(p) for p in missing})
     return CostModel(base=f"{model.base}+assumed-hardware({','.join(missing)})", hardware=hardware,
-                     compute=model.compute, links=model.links, sized_links=model.sized_links)
+                     compute=model.compute, links=model.links, sized_links=model.sized_links,
+                     overheads=model.overheads)
 
 
 def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
@@ -311,7 +312,7 @@ def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
     if not added:
         return model
     return CostModel(base=f"{model.base}+assumed-reads({','.join(added)})", hardware=model.hardware,
-                     compute=model.compute, links=links, sized_links=sized)
+                     compute=model.compute, links=links, sized_links=sized, overheads=model.overheads)
 
 
 def _reverse(write: LinkCost, tier: Tier) -> LinkCost:
@@ -409,6 +410,6 @@ class ColdStart:
         else:
             base = f"{model.base}+cold-start({self.profile}: {'; '.join(parts)})"
             out = CostModel(base=base, hardware=hardware, compute=compute, links=links,  # version: base + fitted digest
-                            sized_links=sized)
+                            sized_links=sized, overheads=model.overheads)
         self._cache = (state, out)
         return out

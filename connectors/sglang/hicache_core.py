@@ -259,7 +259,9 @@ class HiCacheCore:
         model = self.model()
         profile = self.profile or self.execution().planner.default_hardware_profile
         tiers = [b.capabilities.tier for b in (self.tiers.backends() if self.tiers is not None else ())]
-        links = {t: (None if t is Tier.GPU else model.link(profile, t, Tier.GPU)) for t in tiers}
+        # A page is one copy: a link fitted at this page size prices it, else the size-free prior.
+        links = {t: (None if t is Tier.GPU else model.link(profile, t, Tier.GPU, nbytes if nbytes > 0 else None))
+                 for t in tiers}
         usable = {t: lk for t, lk in links.items() if t is Tier.GPU or lk is not None}
         return block_gains(model.compute_for(d.model, profile), usable, block_tokens=d.block_size, position=position,
                            nbytes=nbytes)
@@ -409,8 +411,10 @@ class HiCacheCore:
         matches.sort(key=lambda m: (m.location.worker, m.location.tier, m.location.group))
         now = self.clock()
         total = p + loaded
+        # The pages priced are a prefix of the prompt, whose last token lies beyond them (the engine
+        # computes it itself; the planner never reuses it): one token more keeps every page reusable.
         query = PlanQuery(request_id=f"hicache-{self.worker}-{now:.6f}", scope=self.scope, descriptor=d,
-                          keys=tuple(keys), prompt_tokens=total * d.block_size, arrival_at=now,
+                          keys=tuple(keys), prompt_tokens=total * d.block_size + 1, arrival_at=now, at_admission=False,
                           candidates=(WorkerLoad(worker=self.worker, profile=profile),))
         chosen = plan(query, LookupResult(num_blocks=total, matches=tuple(matches)), model, execution,
                       now=now).chosen

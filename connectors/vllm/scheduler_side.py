@@ -211,7 +211,7 @@ class SchedulerSide:
             st.reason = "nothing beyond the local prefix to load"
             return 0, False
         query = PlanQuery(request_id=request_id, scope=self.scope, descriptor=self.descriptor, keys=tuple(keys),
-                          prompt_tokens=len(token_ids), arrival_at=now,
+                          prompt_tokens=len(token_ids), arrival_at=now, at_admission=False,
                           candidates=(WorkerLoad(worker=self.worker, profile=self.profile, loads_own_tiers=True),))
         view = self._readable_view(found, local)
         for _attempt in range(2):

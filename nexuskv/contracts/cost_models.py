@@ -1,7 +1,8 @@
 """``nexuskv.cost-models``: fitted cost-model entries published by the calibration agent.
 
 Keyed by entry id (:attr:`CostModelEntry.key`): ``compute/<model>/<profile>`` for a
-``T_compute(e, s) = c0 + c1*e + c2*e*s`` fit, ``link/<profile>/<source>-><destination>/<page
+``T_compute(e, s) = c0 + c1*e + c2*e*s`` fit, ``overhead/<model>/<profile>`` for the fixed per-request cost outside the forward pass
+(``o0 + o1*prompt_tokens``), ``link/<profile>/<source>-><destination>/<page
 bytes>B`` for a ``T_transfer = latency + pages*per_page + bytes*seconds_per_byte`` fit of copies
 whose pages were that many bytes (a fit of one block size is valid at that size only: its pages
 and bytes grow in fixed proportion; an entry without ``page_bytes``, as published before the
@@ -24,7 +25,7 @@ from pydantic import Field, model_validator
 from nexuskv.contract import Contract
 from nexuskv.descriptor import Tier
 
-__all__ = ["SCHEMA_VERSION", "ComputeFit", "LinkFit", "CostModelEntry", "link_entry_id"]
+__all__ = ["SCHEMA_VERSION", "ComputeFit", "LinkFit", "OverheadFit", "CostModelEntry", "link_entry_id"]
 
 SCHEMA_VERSION = 1
 Text = Annotated[str, Field(min_length=1, max_length=512)]
@@ -38,6 +39,14 @@ class ComputeFit(Contract):
     profile: Text
 
 
+class OverheadFit(Contract):
+    """The fixed per-request cost outside the forward pass: ``o0 + o1 * prompt_tokens`` (third term 0)."""
+
+    kind: Literal["overhead"] = "overhead"
+    model: Text
+    profile: Text
+
+
 class LinkFit(Contract):
     kind: Literal["link"] = "link"
     profile: Text
@@ -46,7 +55,7 @@ class LinkFit(Contract):
     page_bytes: Annotated[int, Field(ge=1)] | None = None  # bytes of one copied page the fit holds for
 
 
-Fit = Annotated[Union[ComputeFit, LinkFit], Field(discriminator="kind")]
+Fit = Annotated[Union[ComputeFit, LinkFit, OverheadFit], Field(discriminator="kind")]
 
 
 class CostModelEntry(Contract):
@@ -80,6 +89,8 @@ class CostModelEntry(Contract):
         e = self.entry
         if isinstance(e, ComputeFit):
             return f"compute/{e.model}/{e.profile}"
+        if isinstance(e, OverheadFit):
+            return f"overhead/{e.model}/{e.profile}"
         return link_entry_id(e.profile, e.source_tier, e.destination_tier, e.page_bytes)
 
 

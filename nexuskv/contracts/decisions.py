@@ -50,7 +50,12 @@ class Action(StrEnum):
 
 
 class CostTerms(Contract):
-    """Terms of ``T_cache`` (whitepaper §2.5), seconds; ``total_s`` is their visible sum."""
+    """Terms of ``T_cache`` (whitepaper §2.5), seconds; ``total_s`` is their visible sum.
+
+    ``request_s`` is the fixed per-request cost outside the forward pass (HTTP, tokenisation), fitted
+    from request observations; it is in every option's time to first token alike (0 where none was
+    fitted, and for an engine's own connector, which plans after it).
+    """
 
     lookup_s: Seconds = 0.0
     queue_s: Seconds = 0.0
@@ -60,6 +65,7 @@ class CostTerms(Contract):
     sync_s: Seconds = 0.0
     interference_s: Seconds = 0.0
     total_s: Seconds = 0.0
+    request_s: Seconds = 0.0
 
 
 class Alternative(Contract):

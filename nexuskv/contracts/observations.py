@@ -3,6 +3,9 @@
 Keyed by (model, link or tier). Each observation is a measurement, with its unit in the field
 name; the calibration agent fits ``T_compute`` from prefill observations and per-link transfer
 costs from transfer observations. Load observations report a worker's queue and decode load.
+Request observations measure the fixed cost of a request outside the engine's queue and forward
+pass (HTTP, tokenisation, returning the first token), which the planner adds to every predicted
+time to first token of a request it plans before the engine has it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = [
     "PrefillObservation",
     "TransferObservation",
     "LoadObservation",
+    "RequestObservation",
     "Observation",
     "ObservationRecord",
 ]
@@ -70,7 +74,24 @@ class LoadObservation(Contract):
     active_requests: Count
 
 
-Observation = Annotated[Union[PrefillObservation, TransferObservation, LoadObservation], Field(discriminator="kind")]
+class RequestObservation(Contract):
+    """One request's time to first token outside the engine's queue and its prefill, seconds.
+
+    ``duration_s`` = the client's time to first token - the engine's queue wait - its prefill (the
+    HTTP round trip, tokenisation, detokenising and returning the first token); the calibration
+    agent fits ``o0 + o1 * prompt_tokens`` from these per (model, profile).
+    """
+
+    kind: Literal["request"] = "request"
+    model: Text
+    profile: Text
+    worker: Text
+    prompt_tokens: Count
+    duration_s: Seconds
+
+
+Observation = Annotated[Union[PrefillObservation, TransferObservation, LoadObservation, RequestObservation],
+                        Field(discriminator="kind")]
 
 
 class ObservationRecord(Contract):

@@ -79,7 +79,11 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
     shape = shape_of(d)
     n = query.prompt_tokens
     nn = float(n) * n
-    num_blocks = len(query.keys)
+    # The engine always computes the prompt's last token itself (its logits are the first output), so
+    # the last block of a block-aligned prompt is never reused: a fully matched prompt of 640 tokens in
+    # blocks of 32 loads 608 (vLLM's get_num_new_matched_tokens and its own prefix cache both stop at
+    # prompt_tokens - 1). Every option's reused blocks, copies and pins stop there too.
+    num_blocks = min(len(query.keys), (n - 1) // d.block_size) if n > 0 else 0
     settings = policy.planner
     min_gain = settings.min_gain_s
     default_profile = settings.default_hardware_profile
@@ -94,7 +98,10 @@ def plan(query: PlanQuery, lookup: LookupResult, model: CostModel, policy: Execu
             options.append(Option(_RECOMPUTE, load.worker,
                                   rejected=f"no cost profile for {d.model} on {profile}: cannot be estimated"))
             continue
-        workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes))
+        # The fixed per-request cost is still ahead of a request planned at admission; an engine's own
+        # connector plans after its HTTP and tokenisation, so for it the term is 0.
+        request_s = model.request_seconds(d.model, profile, n) if query.at_admission else 0.0
+        workers.append(Candidate.of(load, profile, hw, cc, n, nn, shape.block_bytes, request_s))
     if not workers:  # nothing can be priced: recompute where the least work waits (a load balancer's choice)
         least = min(query.candidates, key=lambda c: (c.queued_prefill_tokens, c.queued_prefill_requests, c.worker))
         chosen = next(o for o in options if o.worker == least.worker)

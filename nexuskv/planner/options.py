@@ -97,16 +97,19 @@ class Candidate(NamedTuple):
     c2: float
     queue_s: float
     recompute_s: float
+    request_s: float = 0.0  # fixed per-request cost outside the forward pass, in every option's TTFT
 
     @classmethod
     def of(cls, load: WorkerLoad, profile: str, hw: HardwareProfile, cc: ComputeCost, n: int, nn: float,
-           block_bytes: int) -> Candidate:
-        """``recompute = queue + T_compute(n, n) + decode``; the queue is the compute of the prefills ahead."""
+           block_bytes: int, request_s: float = 0.0) -> Candidate:
+        """``recompute = request + queue + T_compute(n, n) + decode``; the queue is the compute of the
+        prefills ahead, ``request`` the fixed per-request cost (HTTP, tokenisation)."""
         c0, c1, c2 = cc.params.mean
         queue_s = c0 * load.queued_prefill_requests + c1 * load.queued_prefill_tokens \
             + c2 * load.queued_prefill_token_products
         decode = hw.decode_seconds(load.decode_blocks, block_bytes, n) if load.decode_blocks else 0.0
-        return cls(load, profile, hw, cc, c0, c1, c2, queue_s, queue_s + c0 + c1 * n + c2 * nn + decode)
+        return cls(load, profile, hw, cc, c0, c1, c2, queue_s, request_s + queue_s + c0 + c1 * n + c2 * nn + decode,
+                   request_s)
 
     def tail_s(self, e: int, n: int, block_bytes: int) -> float:
         """Compute left after reusing all but ``e`` of the prompt's ``n`` tokens (with in-flight decode)."""
@@ -166,8 +169,8 @@ class RecomputeOn:
     @staticmethod
     def cost(w: Candidate, base: Baseline) -> Option:
         eg = base.t_s - w.recompute_s
-        return Option(_RECOMPUTE, w.load.worker, terms=CacheTerms(queue_s=w.queue_s), tail_s=w.recompute_s - w.queue_s,
-                      ttft_s=w.recompute_s, eg_s=eg, eg_lower_s=eg)
+        return Option(_RECOMPUTE, w.load.worker, terms=CacheTerms(queue_s=w.queue_s, request_s=w.request_s),
+                      tail_s=w.recompute_s - w.queue_s - w.request_s, ttft_s=w.recompute_s, eg_s=eg, eg_lower_s=eg)
 
 
 class ReuseInPlace:
@@ -184,7 +187,7 @@ class ReuseInPlace:
         hw = w.hardware
         in_place = links.in_place
         restore = in_place.params.mean[0] if in_place is not None else 0.0
-        ttft = hw.lookup_s + w.queue_s + restore + tail
+        ttft = w.request_s + hw.lookup_s + w.queue_s + restore + tail
         var = base.eg_variance(w, e, n)
         if in_place is not None:
             var += in_place.params.cov[0][0]
@@ -201,7 +204,7 @@ class ReuseInPlace:
         if in_place is not None and in_place.observations < seen:
             seen = in_place.observations
         return Option(action, wid, local, None, local.prefix, (), True, 0,
-                      CacheTerms(hw.lookup_s, w.queue_s, 0.0, 0.0, restore, 0.0, 0.0),
+                      CacheTerms(hw.lookup_s, w.queue_s, 0.0, 0.0, restore, 0.0, 0.0, w.request_s),
                       tail, ttft, eg, std, eg - req.z * std, None, None, why, seen)
 
 
@@ -245,7 +248,7 @@ class MoveOverLink:
     @staticmethod
     def cost(req: Request, base: Baseline, w: Candidate, local: Source | None, src: Source, link_tier: Tier,
              link: LinkCost | None, backend: str | None) -> Option:
-        load, profile, hw, _, _, _, _, queue_s, _ = w
+        load, profile, hw, _, _, _, _, queue_s, _, request_s = w
         wid = load.worker
         if link is None or backend is None:
             why = (f"no cost profile for link {link_tier.value}->gpu on {profile}" if link is None
@@ -278,7 +281,7 @@ class MoveOverLink:
         interference = transfer * link.interference
         restore = restore_fixed + restore_per_token * count * bs
         visible = transfer - overlap if transfer > overlap else 0.0
-        ttft = hw.lookup_s + queue_s + visible + restore + hw.sync_s + interference + tail
+        ttft = request_s + hw.lookup_s + queue_s + visible + restore + hw.sync_s + interference + tail
         gain = base.t_s - ttft
         var_c = base.eg_variance(w, e, n)
         if visible == 0.0 and overlap > 0 and prefetch:  # hidden behind the queue: a prefetch
@@ -295,6 +298,6 @@ class MoveOverLink:
             deadline = slo
         seen = w.compute.observations
         return Option(action, wid, src, backend, prefix, moved, contiguous, nbytes,
-                      CacheTerms(hw.lookup_s, queue_s, transfer, overlap, restore, hw.sync_s, interference),
+                      CacheTerms(hw.lookup_s, queue_s, transfer, overlap, restore, hw.sync_s, interference, request_s),
                       tail, ttft, eg, std, lower, p_use, deadline, None,
-                      link.observations if link.observations < seen else seen)
+                      min(seen, link.observations))

@@ -94,7 +94,8 @@ def _reason(p: Plan) -> str:
     t = chosen.terms
     src = f" from {chosen.source.worker}/{chosen.source.tier.value}" if chosen.source else ""
     core = (f"{chosen.action.value} on {chosen.worker}{src}: EG {chosen.eg_s:.4f}s = T_compute {t_base:.4f}s "
-            f"(recompute on {p.baseline_worker}) - [T_cache {t.total_s:.4f}s (lookup {t.lookup_s:.4f} + queue "
+            f"(recompute on {p.baseline_worker}) - [T_cache {t.total_s:.4f}s ("
+            f"{f'request {t.request_s:.4f} + ' if t.request_s else ''}lookup {t.lookup_s:.4f} + queue "
             f"{t.queue_s:.4f} + max(0, transfer {t.transfer_s:.4f} - overlap {t.overlap_s:.4f}) + restore "
             f"{t.restore_s:.4f} + sync {t.sync_s:.4f} + interference {t.interference_s:.4f}) + tail "
             f"{chosen.tail_s:.4f}s]")

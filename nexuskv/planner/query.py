@@ -63,6 +63,10 @@ class PlanQuery:
     slo_ttft_s: float | None = None
     workload: str | None = None
     trace_id: str | None = None
+    # Planned before the engine has the request (a fleet planner at admission): its fixed per-request
+    # cost (HTTP, tokenisation) is still ahead and is in every predicted TTFT. False for an engine's
+    # own connector, which is asked once the engine has tokenised the request.
+    at_admission: bool = True
 
     def __post_init__(self) -> None:
         if self.scope.descriptor_id != self.descriptor.descriptor_id:

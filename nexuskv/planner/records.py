@@ -25,7 +25,8 @@ __all__ = ["actions_of", "alternative_of", "explain", "fallback_decision", "loca
 def terms_of(o: Option) -> CostTerms:
     t = o.terms
     return CostTerms(lookup_s=t.lookup_s, queue_s=t.queue_s, transfer_s=t.transfer_s, overlap_s=t.overlap_s,
-                     restore_s=t.restore_s, sync_s=t.sync_s, interference_s=t.interference_s, total_s=t.total_s)
+                     restore_s=t.restore_s, sync_s=t.sync_s, interference_s=t.interference_s, total_s=t.total_s,
+                     request_s=t.request_s)
 
 
 def locations_of(opt: Option, group: int) -> tuple[EntryLocation | None, EntryLocation | None]:

@@ -75,7 +75,8 @@ def populated(path) -> DecisionStore:
 
 def test_columns_match_the_contract_rows():
     assert COLUMNS["decisions"][0] == "request_id" and "alternatives_json" in COLUMNS["decisions"]
-    assert len(COLUMNS["observations"]) == 21 and "revision" in COLUMNS["decisions"]
+    assert len(COLUMNS["observations"]) == 22 and "revision" in COLUMNS["decisions"]
+    assert {"explored", "request_s"} <= set(COLUMNS["decisions"]) and "prompt_tokens" in COLUMNS["observations"]
 
 
 def test_writes_are_idempotent_and_every_view_has_rows(tmp_path):
@@ -141,3 +142,14 @@ def test_a_later_revision_supersedes_the_admission_plan(tmp_path):
         assert store.query("SELECT action, revision, reason FROM request_outcomes WHERE request_id = 'r1'") == [
             ("recompute", 1, "prefetch missed")]
         assert store.query("SELECT count(*) FROM request_outcomes") == [(4,)]
+
+
+def test_a_request_observation_is_stored_with_its_prompt(tmp_path):
+    from nexuskv.contracts.observations import RequestObservation
+
+    store = DecisionStore(tmp_path / "r.duckdb")
+    rec = ObservationRecord(observed_at=5.0, request_id="q1", observation=RequestObservation(
+        model="m", profile="p", worker="w1", prompt_tokens=640, duration_s=0.031))
+    assert store.write_all(observations=[(rec, "o/req")])["observations"] == 1
+    assert store.query("SELECT kind, model, profile, prompt_tokens, duration_s FROM observations") == [
+        ("request", "m", "p", 640, 0.031)]

@@ -360,3 +360,20 @@ def test_a_full_disk_tier_keeps_saving_and_the_index_follows_what_it_evicts(worl
     assert engine.worker.tiers.counters["dropped"] >= 8 * 6 - 10
     assert engine.worker.stats["blocks_refused"] == 0
     assert all(k.descriptor_id == did for k in disk.keys())
+
+
+def test_a_block_aligned_prompt_records_the_blocks_vllm_loads_not_the_whole_match(world):
+    """vLLM computes a prompt's last token itself: a fully matched prompt of 6 blocks of 4 tokens loads 5
+    blocks (20 tokens), and the decision record says 20, not 24 (as 640 -> 608 with blocks of 32)."""
+    aligned = PROMPT[:24]
+    w = world("gqa")
+    engine = w.engine("w-a")
+    engine.serve("r1", aligned)
+    engine.runtime.reset()
+    again = engine.serve("r2", aligned)
+    assert again.matched_tokens == 20 and again.loaded_tokens == 20
+    loaded = next(d for d in w.decisions if d.request_id == "r2")
+    assert loaded.action is Action.TRANSFER
+    assert (loaded.reused_tokens, loaded.reused_blocks) == (again.loaded_tokens, 5)
+    assert loaded.prompt_tokens == 24
+    assert (again.result.logits - _reference_logits("gqa", aligned)).abs().max().item() <= TOL

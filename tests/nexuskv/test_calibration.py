@@ -11,13 +11,14 @@ import pytest
 
 from nexuskv.calibration import COMPUTE_SCALE, LINK_SCALE, Calibrator, FitKey, RecursiveFit, apply_entry
 from nexuskv.contracts import decode, encode
+from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.observations import (
     LoadObservation,
     ObservationRecord,
     PrefillObservation,
+    RequestObservation,
     TransferObservation,
 )
-from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.plans import WorkerLoad
 from nexuskv.contracts.topics import COST_MODELS
 from nexuskv.cost import ComputeCost, LinearCost, LinkCost
@@ -332,3 +333,53 @@ def test_an_entry_published_before_page_sizes_existed_still_applies_at_any_size(
     assert legacy.key == f"link/{PROFILE}/host->gpu"
     model = apply_entry(SHIPPED, legacy)
     assert model.link(PROFILE, Tier.HOST, Tier.GPU, 4096).observations == 50
+
+
+# -- the fixed per-request overhead ------------------------------------------------------------------
+
+TRUE_OVERHEAD = (0.03, 2e-6)  # 30 ms of HTTP and scheduling, 2 us per prompt token of tokenisation
+
+
+def _request(rng: random.Random, worker: str = "w-1"):
+    n = rng.randint(16, 32_000)
+    y = (TRUE_OVERHEAD[0] + TRUE_OVERHEAD[1] * n) * (1 + rng.gauss(0, NOISE))
+    return ObservationRecord(observed_at=NOW, request_id=f"q{n}", observation=RequestObservation(
+        model=MODEL_NAME, profile=PROFILE, worker=worker, prompt_tokens=n, duration_s=y))
+
+
+def test_the_per_request_overhead_is_fitted_published_and_priced_at_admission():
+    rng = random.Random(21)
+    cal = Calibrator(SHIPPED, default_profile=PROFILE)
+    keys = {cal.observe(_request(rng)) for _ in range(400)}
+    assert keys == {FitKey("overhead", PROFILE, model=MODEL_NAME)}
+    key = keys.pop()
+    fit = cal.fits[key]
+    assert fit.mean[0] == pytest.approx(TRUE_OVERHEAD[0], rel=0.05)
+    assert fit.mean[1] == pytest.approx(TRUE_OVERHEAD[1], rel=0.1)
+    entry = cal.entry(key, now=NOW, publisher="t")
+    assert entry.key == key.id == f"overhead/{MODEL_NAME}/{PROFILE}"
+    assert decode(COST_MODELS, encode(COST_MODELS, entry)) == entry
+    model = apply_entry(SHIPPED, entry)
+    assert model.version != SHIPPED.version
+    assert model.request_seconds(MODEL_NAME, PROFILE, 10_000) == pytest.approx(0.05, rel=0.05)
+    assert model.request_seconds(MODEL_NAME, "another-profile", 10_000) == 0.0
+
+    d = known_model(MODEL_NAME, tenant_namespace="cal")
+    q = query(d, 8192, [WorkerLoad(worker="w-1", profile=PROFILE)])
+    nb = len(q.keys)
+    lk = lookup(nb, match("w-1", "gpu", nb // 2))
+    policy = ExecutionPolicy(version="v", planner={"explore_share": 0.0})
+    without = plan(q, lk, SHIPPED, policy, now=NOW).decision
+    with_overhead = plan(q, lk, model, policy, now=NOW).decision
+    overhead = model.request_seconds(MODEL_NAME, PROFILE, 8192)
+    # In every predicted time to first token alike: the choice and its EG do not move, the TTFT does.
+    assert with_overhead.action is without.action and with_overhead.eg_s == pytest.approx(without.eg_s)
+    assert with_overhead.terms.request_s == pytest.approx(overhead)
+    assert with_overhead.t_with_reuse_s == pytest.approx(without.t_with_reuse_s + overhead)
+    assert with_overhead.t_compute_s == pytest.approx(without.t_compute_s + overhead)
+    recompute = next(a for a in with_overhead.alternatives if a.action is Action.RECOMPUTE)
+    assert recompute.terms.request_s == pytest.approx(overhead) and recompute.t_with_reuse_s == pytest.approx(
+        with_overhead.t_compute_s)
+    # An engine's own connector plans after the request's HTTP and tokenisation: no overhead ahead.
+    inside = plan(replace(q, at_admission=False), lk, model, policy, now=NOW).decision
+    assert inside.terms.request_s == 0.0 and inside.t_with_reuse_s == pytest.approx(without.t_with_reuse_s)

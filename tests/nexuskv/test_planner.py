@@ -165,7 +165,8 @@ def test_only_copy_on_another_node(tokens, profile, expected):
     if expected is Action.TRANSFER:
         assert dec.source.worker == "w-far" and dec.destination.worker == "w-local" and dec.backend == "rdma"
         assert [t.kind for t in p.transfers] == [TransferKind.MATERIALIZE]
-        assert p.transfers[0].keys == q.keys and p.transfers[0].bytes == nb * 16 * 128 * 1024
+        # All but the last block: the engine computes the prompt's last token itself.
+        assert p.transfers[0].keys == q.keys[:-1] and p.transfers[0].bytes == (nb - 1) * 16 * 128 * 1024
         assert p.transfers[0].deadline_at > NOW
     else:
         assert not p.transfers
@@ -236,8 +237,10 @@ def test_full_and_partial_reuse_on_the_baseline_worker():
     q = query(LLAMA8, 8192, [_w("w-a")])
     nb = len(q.keys)
     full = plan(q, lookup(nb, match("w-a", "gpu", nb)), MODEL, POLICY, now=NOW)
-    assert full.decision.action is Action.FULL_REUSE and full.decision.reused_tokens == 8192
-    assert full.decision.t_tail_s < 1e-3  # one token is still computed
+    # The last block is computed, as vLLM does: its last token's logits are the first output token.
+    assert full.decision.action is Action.FULL_REUSE and full.decision.reused_tokens == 8192 - 16
+    assert full.decision.reused_blocks == nb - 1
+    assert full.decision.t_tail_s < 1e-3  # one block is still computed
     part = plan(q, lookup(nb, match("w-a", "gpu", nb // 2)), MODEL, POLICY, now=NOW)
     assert part.decision.action is Action.PARTIAL_REUSE and part.decision.reused_blocks == nb // 2
     assert 0 < part.decision.eg_s < full.decision.eg_s
@@ -253,9 +256,10 @@ def test_a_longer_host_copy_extends_a_short_gpu_prefix():
     dec = p.decision
     assert dec.action is Action.TRANSFER and dec.source.tier is Tier.HOST and dec.backend == "pinned-host"
     (t,) = p.transfers
-    assert t.keys == q.keys[100:] and t.bytes == (nb - 100) * 2 * 1024 * 1024  # only what the GPU lacks
+    # Only what the GPU lacks, up to the last block (which the engine computes).
+    assert t.keys == q.keys[100:-1] and t.bytes == (nb - 1 - 100) * 2 * 1024 * 1024
     pin = [h for h in p.hints if h.kind is HintKind.PIN][0]
-    assert (pin.first_block, pin.blocks, pin.transfer_id) == (100, nb - 100, t.transfer_id)
+    assert (pin.first_block, pin.blocks, pin.transfer_id) == (100, nb - 1 - 100, t.transfer_id)
 
 
 def test_blocks_the_destination_already_holds_beyond_a_gap_are_not_moved():
@@ -264,8 +268,8 @@ def test_blocks_the_destination_already_holds_beyond_a_gap_are_not_moved():
     p = plan(q, lookup(nb, match("w-a", "gpu", 10, extents=[(20, 30)]), match("w-a", "host", nb)), MODEL, POLICY,
              now=NOW)
     (t,) = p.transfers
-    assert t.keys == q.keys[10:20] + q.keys[30:]
-    assert t.bytes == (nb - 20) * 2 * 1024 * 1024
+    assert t.keys == q.keys[10:20] + q.keys[30:-1]
+    assert t.bytes == (nb - 1 - 20) * 2 * 1024 * 1024
 
 
 # -- prefetch --------------------------------------------------------------------------------------------
@@ -388,7 +392,7 @@ def test_a_descriptor_without_partial_restore_reuses_all_or_nothing():
         model=d.model, profile=X1, params=MODEL.compute_for("meta-llama/Llama-3.1-8B", X1).params, source="test"))
     q = query(d, 40_000, [_w("w-a")])
     nb = len(q.keys)
-    part = plan(q, lookup(nb, match("w-a", "gpu", nb - 1)), model, POLICY, now=NOW)
+    part = plan(q, lookup(nb, match("w-a", "gpu", nb - 2)), model, POLICY, now=NOW)  # nb - 1: all but the last
     assert part.decision.action is Action.RECOMPUTE
     assert "only full reuse" in part.decision.alternatives[-1].rejected_reason
     full = plan(q, lookup(nb, match("w-a", "gpu", nb)), model, POLICY, now=NOW)
@@ -575,3 +579,24 @@ def test_query_from_a_plan_request():
                                         token_ids=list(range(64))))
     with pytest.raises(ValueError, match="scope"):
         PlanQuery.from_request(req, known_model("Qwen/Qwen3-32B"))
+
+
+@pytest.mark.parametrize(("tokens", "reused"), [(640, 608), (650, 640), (33, 32), (32, 0)])
+def test_reused_tokens_stop_before_the_prompts_last_token(tokens, reused):
+    """The engine computes the last token itself (its logits are the first output), so a fully matched
+    prompt of 640 tokens in blocks of 32 reuses 608, as vLLM loads; a prompt that is not block-aligned
+    reuses all its full blocks."""
+    d = known_model("meta-llama/Llama-3.1-8B", tenant_namespace="acme", block_size=32)
+    q = query(d, tokens, [_w("w-a")])
+    nb = len(q.keys)
+    for tier in ("gpu", "host"):
+        p = plan(q, lookup(nb, match("w-a", tier, nb)), MODEL, POLICY, now=NOW)
+        dec = p.decision
+        if reused == 0:
+            assert dec.action is Action.RECOMPUTE and dec.reused_tokens == 0
+            continue
+        assert dec.reused_tokens == reused and dec.reused_blocks == reused // 32, dec.reason
+        assert all(a.reused_tokens <= reused for a in dec.alternatives)
+        moved = sum(len(t.keys) for t in p.transfers) or next(
+            h.blocks for h in p.hints if h.kind is HintKind.PIN)
+        assert moved == reused // 32

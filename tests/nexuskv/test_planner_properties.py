@@ -117,11 +117,15 @@ def _oracle_violation(q, lk, policy, decision) -> str | None:
         return "chosen source is uncertain"
     if any(m.prefix_blocks < decision.reused_blocks for m in here):
         return "reuses more blocks than the source holds from block 0"
+    # The engine computes the prompt's last token itself: a block-aligned prompt's last block is never reused.
+    reusable = min(len(q.keys), (q.prompt_tokens - 1) // d.block_size)
     if decision.reused_blocks > len(q.keys):
         return "reuses more blocks than the prompt has"
+    if decision.reused_blocks > reusable:
+        return "reuses the block of the prompt's last token, which the engine computes"
     if not policy.allows_source(src.tier):
         return "source tier not allowed"
-    if decision.reused_blocks < len(q.keys) and not d.materialization.partial_prefix:
+    if decision.reused_blocks < reusable and not d.materialization.partial_prefix:
         return "partial reuse of a full-only descriptor"
     if decision.action in (Action.TRANSFER, Action.PREFETCH):
         if decision.backend is None or decision.backend not in {b.name for b in policy.backends if b.enabled}:
