@@ -54,7 +54,7 @@ from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT, TIER_STATE
-from nexuskv.cost import CostModel
+from nexuskv.cost import CostModel, page_bytes_of
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.dataplane.tier_facts import TierFacts
@@ -105,7 +105,7 @@ def cost_model_gains(model: Callable[[], CostModel], descriptors: Callable[[str]
         if hit is not None:
             return hit
         compute = m.compute_for(d.model, profile)
-        links = {t: (None if t is Tier.GPU else m.link(profile, t, Tier.GPU)) for t in tiers}
+        links = {t: (None if t is Tier.GPU else m.link(profile, t, Tier.GPU, page_bytes_of(nbytes, 1))) for t in tiers}
         usable = {t: link for t, link in links.items() if t is Tier.GPU or link is not None}
         out = block_gains(compute, usable, block_tokens=d.block_size, position=position, nbytes=nbytes)
         if len(cache) > 65_536:
