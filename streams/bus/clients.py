@@ -152,9 +152,11 @@ class ControlSigner:
 
 
 def control_verifier(settings: Settings) -> ControlVerifier:
-    """A consumer's verifier of control records under the deployment's bus secret (none: all taken)."""
-    return ControlVerifier(settings.bus_secret_bytes, window=control_signature.ReplayWindow(
-        max_age_s=settings.control_max_age_s))
+    """A consumer's verifier of control records under the deployment's bus secret, or the producer keys
+    this host was given (``NEXUSKV_PUBLISHER_KEYS``: then only those producers' records are taken);
+    neither: every record is taken, as before signing."""
+    return ControlVerifier(settings.bus_secret_bytes, keys=settings.publisher_key_map,
+                           window=control_signature.ReplayWindow(max_age_s=settings.control_max_age_s))
 
 
 def check_control(verifier: ControlVerifier, topic: Topic, record: ConsumerRecord, *, now: float,

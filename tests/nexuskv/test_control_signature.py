@@ -141,3 +141,13 @@ def test_producer_names_and_keys_are_checked():
     with pytest.raises(ValueError):
         cs.sign(b"k" * 32, PLACEMENT, Envelope("p" * 300, 1, 0, NOW), b"k", b"v")
     assert cs.role_of("planner/nexuskv-planner") == "planner" and cs.role_of("executor") == "executor"
+
+
+def test_a_host_given_keys_but_no_secret_checks_with_them_and_fails_closed():
+    planner_key = cs.producer_key(SECRET, "planner/p")
+    v = ControlVerifier(b"", keys={"planner/p": planner_key})
+    assert v.authenticated
+    assert isinstance(_check(v, PLACEMENT, _signed(PLACEMENT, "planner/p")), Envelope)
+    got = _check(v, PLACEMENT, _signed(PLACEMENT, "planner/q", seq=1))  # a planner this host has no key for
+    assert isinstance(got, Refusal) and got.code == "no_key"
+    assert _check(v, PLACEMENT, (b"k", b"v", [])).code == "unsigned"
