@@ -36,6 +36,12 @@ A consumer reads a producer's records from several partitions in an interleaving
 fix; the window's width is what one producer may send to other partitions while a consumer lags
 on one of them (:data:`WINDOW` records), beyond which a late record is refused and counted.
 
+The window lives in the consumer's memory: it does not survive a restart. A copy of a record
+sent less than ``max_age_s`` before a consumer restarted is taken once more by the new process
+(as the record itself may be, re-read from an uncommitted offset). What such a replay can do is
+what its genuine record did once: a hint is idempotent or bounded (a prefetch's room by share and
+time), a command re-run copies nothing already there.
+
 A copy of a record that the Kafka client resends by itself (a produce request retried after a
 lost acknowledgement) carries the same header and is refused as replayed: the consumer took it
 once, which is what it wants. A service that sends a record again (the planner after a broker
@@ -273,8 +279,13 @@ class ControlVerifier:
         return key
 
     def check(self, topic: str, record_key: bytes, value: bytes,
-              headers: Sequence[tuple[str, bytes | None]] | None, *, now: float) -> Envelope | Refusal | None:
-        """The record's envelope when it may be acted on, a Refusal when not; None: not authenticated here."""
+              headers: Sequence[tuple[str, bytes | None]] | None, *, now: float,
+              admit: bool = True) -> Envelope | Refusal | None:
+        """The record's envelope when it may be acted on, a Refusal when not; None: not authenticated here.
+
+        ``admit=False`` checks the header, the entitlement and the signature only, and leaves the
+        replay window alone: for a record the caller will not act on whatever it says (a command
+        keyed to another worker), so that it is not refused as stale, nor remembered."""
         if not self.authenticated:
             return None
         env = parse(signature_of(headers))
@@ -291,6 +302,8 @@ class ControlVerifier:
         why = verify(key, topic, env, record_key, value)
         if why is not None:
             return why
+        if not admit:
+            return env
         why = self.window.admit(env, now=now)
         if why is not None:
             return Refusal(why.code, f"{topic}: {why.reason}")

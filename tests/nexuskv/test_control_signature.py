@@ -151,3 +151,13 @@ def test_a_host_given_keys_but_no_secret_checks_with_them_and_fails_closed():
     got = _check(v, PLACEMENT, _signed(PLACEMENT, "planner/q", seq=1))  # a planner this host has no key for
     assert isinstance(got, Refusal) and got.code == "no_key"
     assert _check(v, PLACEMENT, (b"k", b"v", [])).code == "unsigned"
+
+
+def test_a_record_not_acted_on_is_checked_for_its_signature_only():
+    v = ControlVerifier(SECRET)
+    old = _signed(TRANSFERS, "planner/p", sent_at=NOW - 3600)  # another worker's command, an hour old
+    got = v.check(TRANSFERS, *old, now=NOW, admit=False)
+    assert isinstance(got, Envelope) and len(v.window) == 0
+    assert v.check(TRANSFERS, *old, now=NOW).code == "stale"
+    forged = _signed(TRANSFERS, "planner/p", secret=b"y" * 32)
+    assert v.check(TRANSFERS, *forged, now=NOW, admit=False).code == "forged"

@@ -22,6 +22,7 @@ from nexuskv.contracts.placement import HintKind
 from nexuskv.contracts.topics import DEAD_LETTER, DECISIONS, PLACEMENT, PLAN_REQUESTS, TRANSFER_RESULTS, TRANSFERS
 from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
 from nexuskv.descriptor import Tier
+from nexuskv.errors import ContractError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus.clients import ControlSigner, make_consumer, make_producer, record_headers
@@ -187,7 +188,10 @@ async def test_outsider_hints_and_commands_change_nothing_on_a_worker(kafka_url,
         while time.monotonic() < deadline and not mine:
             for records in (await consumer.getmany(timeout_ms=300)).values():
                 for r in records:
-                    value = codec.decode(TRANSFER_RESULTS, r.value)
+                    try:
+                        value = codec.decode(TRANSFER_RESULTS, r.value)
+                    except ContractError:
+                        continue
                     if isinstance(value, TransferResult) and value.destination.worker == worker:
                         mine.append((r, value))
     finally:
@@ -221,7 +225,10 @@ async def test_a_planner_acts_only_on_results_an_executor_signed_once(kafka_url)
             assert time.monotonic() < deadline, f"not within {TIMEOUT_S}s: {sorted(seen)}"
             for records in (await out.getmany(timeout_ms=100)).values():
                 for r in records:
-                    value = codec.decode(DECISIONS if r.topic == DECISIONS.name else TRANSFERS, r.value)
+                    try:
+                        value = codec.decode(DECISIONS if r.topic == DECISIONS.name else TRANSFERS, r.value)
+                    except ContractError:
+                        continue  # other tests on the shared broker put malformed records here on purpose
                     if isinstance(value, Decision) and value.request_id == far.request_id:
                         seen[f"decision/{value.revision}"] = value
                     elif isinstance(value, TransferCommand) and value.request_id == far.request_id:
