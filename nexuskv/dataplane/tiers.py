@@ -20,9 +20,11 @@ decides with :mod:`nexuskv.admission`:
   little more than needed (``slack``), so a run of saves does not rescore the tier each time.
 * **Reservations.** A prefetch's room is set aside when its hint arrives (or its command, if that
   comes first) and held until the copy lands in it or the hint's ``expires_at`` passes — at most
-  ``prefetch_max_s`` from now whatever the hint says, and only while the room held for
-  prefetches in that tier stays within ``prefetch_fraction`` of its capacity (a hint beyond it
-  is refused with the numbers), so no hint can hold a tier for itself or for long.
+  ``prefetch_max_s`` from now whatever the hint says, and only while the room prefetch hints
+  hold in that tier stays within ``prefetch_fraction`` of its capacity (a hint beyond it is
+  refused with the numbers), so no hint can hold a tier for itself or for long. (The room an
+  executor holds for a queued command of its own is bounded in time, not share: the copy needs
+  it when it runs.)
 * **Hints stay in their tenant's scope.** A pin, unpin, demote or evict acts only on blocks of
   the tenant the hint names, and a release (a cancel) only on that tenant's room; an evict or
   demote never touches a pinned block, one being read or copied, or a prefix parent others
