@@ -37,6 +37,7 @@ import aiohttp
 from nexuskv.contracts.kv_events import PublisherIdentity
 from nexuskv.contracts.topics import KV_EVENTS
 from nexuskv.identity import BlockKeyer
+from streams.bus.clients import BatchSigner
 from streams.bus.process import ManagedProcess, free_port
 from streams.bus.topics import ensure_topics
 
@@ -45,6 +46,7 @@ from benchmarks._attack_broker import attack_broker
 from benchmarks._result import Run, write_result
 
 IDENTITY_SECRET = "lookup-api-identity-secret"  # two tenants: at least 16 bytes, or the endpoint refuses to start
+BUS_SECRET = "lookup-api-bus-secret-of-the-attack"  # two tenants need one too (issue 23); the batches are signed
 TOKENS = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcd"}
 
 
@@ -92,10 +94,11 @@ async def run(url, *, fuzz: int, sizes: int, folder: Path) -> dict:
     globex_ident = PublisherIdentity(**{**ident.model_dump(), "tenant_namespace": "globex"})
     _g, globex_batches = replay(limit=64, workers=2, prefix="globex-engine", identity=globex_ident)
     await produce(url, KV_EVENTS.name, encoded([*[b.model_copy(update={"identity": ident.model_copy(
-        update={"tenant_namespace": "acme"})}) for b in batches], *globex_batches]))
+        update={"tenant_namespace": "acme"})}) for b in batches], *globex_batches],
+        BatchSigner(bus_secret=BUS_SECRET.encode())))
     port = free_port()
     env = dict(os.environ, NEXUSKV_BROKER=str(url), NEXUSKV_DATA_DIR=str(folder), NEXUSKV_IDENTITY_SECRET=IDENTITY_SECRET,
-               NEXUSKV_INDEX_API_PORT=str(port), NEXUSKV_INDEX_API_TOKENS=",".join(f"{t}={n}" for n, t in TOKENS.items()),
+               NEXUSKV_BUS_SECRET=BUS_SECRET, NEXUSKV_INDEX_API_PORT=str(port), NEXUSKV_INDEX_API_TOKENS=",".join(f"{t}={n}" for n, t in TOKENS.items()),
                NEXUSKV_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     proc = ManagedProcess([sys.executable, "-m", "streams.index_api"], name="index-api", log_path=folder / "api.log",
                           env=env, cwd=ROOT)

@@ -172,7 +172,9 @@ class Settings(BaseModel):
         "NEXUSKV_PUBLISHER_KEYS",
         "Signing keys of the publishers this process sends for, `publisher=hexkey[,...]` (from `nexuskv "
         "publisher-key NAME`), for engine hosts that should not hold NEXUSKV_BUS_SECRET. Used before the "
-        "bus secret.",
+        "bus secret. Control producers' keys (`nexuskv publisher-key --control NAME`) go here too: this "
+        "process signs as them, and checks their records with them; given keys and no bus secret, a "
+        "control record of a producer not listed is refused.",
         "",
     )
     control_max_age_s: float = _env(

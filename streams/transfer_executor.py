@@ -108,6 +108,7 @@ class TransferService:
         self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
         self.executor = executor
         self.worker = worker
+        self._key = worker.encode("utf-8")  # commands are keyed by their destination worker
         self.group_id = group_id or f"nexuskv-{SERVICE}-{worker}"
         self.clock = clock
         self.ready = asyncio.Event()  # set once the consumer has joined and got its partitions
@@ -175,13 +176,17 @@ class TransferService:
         """Start one record's work; None when it is finished at once (skipped, or its dead letter
         queued: the loop flushes the queue before it commits)."""
         producer = self._letters.producer if self._letters is not None else None
+        # A command is keyed by its destination worker; one keyed to another is never run here, so it
+        # is checked for a signature only (an old genuine one is not stale *here*: each executor reads
+        # every command, and a fresh one reads the topic's whole retention).
+        ours = record.key is not None and bytes(record.key) == self._key
         try:
-            check_control(self.verifier, TRANSFERS, record, now=self.clock(), service=SERVICE)
+            check_control(self.verifier, TRANSFERS, record, now=self.clock(), service=SERVICE, admit=ours)
             command = decode_record(TRANSFERS, record)
         except ContractError as exc:
             letter = dead_letter_for(TRANSFERS.name, record, exc, service=SERVICE, now=self.clock())
             return asyncio.create_task(self._dead_letter(letter))
-        if not isinstance(command, TransferCommand) or command.destination.worker != self.worker:
+        if not isinstance(command, TransferCommand) or command.destination.worker != self.worker or not ours:
             return None
         span = start_span_from_record(SERVICE, "transfer.execute", record.headers, {
             "nexuskv.request_id": command.request_id, "nexuskv.transfer_id": command.transfer_id,

@@ -36,6 +36,12 @@ A consumer reads a producer's records from several partitions in an interleaving
 fix; the window's width is what one producer may send to other partitions while a consumer lags
 on one of them (:data:`WINDOW` records), beyond which a late record is refused and counted.
 
+The window lives in the consumer's memory: it does not survive a restart. A copy of a record
+sent less than ``max_age_s`` before a consumer restarted is taken once more by the new process
+(as the record itself may be, re-read from an uncommitted offset). What such a replay can do is
+what its genuine record did once: a hint is idempotent or bounded (a prefetch's room by share and
+time), a command re-run copies nothing already there.
+
 A copy of a record that the Kafka client resends by itself (a produce request retried after a
 lost acknowledgement) carries the same header and is refused as replayed: the consumer took it
 once, which is what it wants. A service that sends a record again (the planner after a broker
@@ -94,7 +100,7 @@ class Envelope:
 class Refusal:
     """Why a control record is not taken: a short ``code`` (a metric label) and the reason."""
 
-    code: str  # unsigned, malformed, forged, not_entitled, replayed, stale, outside_window, window_full
+    code: str  # unsigned, malformed, no_key, forged, not_entitled, replayed, stale, outside_window, window_full
     reason: str
 
 
@@ -247,18 +253,26 @@ class ControlVerifier:
     """The checks a consumer of control topics makes, in order: a header that parses, a producer
     the topic entitles, a signature under that producer's key, a record not taken before.
 
-    Without a bus secret nothing is checked (:meth:`check` answers None for every record, as
-    before signing existed). A refused record leaves the replay window as it was: only a record
-    that passed every other check is remembered.
+    A producer's key comes from ``keys`` (given per producer: a host that holds no bus secret),
+    else is derived from ``bus_secret``. With neither nothing is checked (:meth:`check` answers
+    None for every record, as before signing existed); with ``keys`` only, a record of a producer
+    not among them is refused (``no_key``): a host that was given keys fails closed. A refused
+    record leaves the replay window as it was: only a record that passed every other check is
+    remembered.
     """
 
-    def __init__(self, bus_secret: bytes = b"", *, window: ReplayWindow | None = None) -> None:
-        self.authenticated = bool(bus_secret)
+    def __init__(self, bus_secret: bytes = b"", *, keys: Mapping[str, bytes] | None = None,
+                 window: ReplayWindow | None = None) -> None:
+        self.authenticated = bool(bus_secret or keys)
         self._secret = bus_secret
+        self._given = dict(keys or {})
         self.window = window if window is not None else ReplayWindow()
         self._keys: OrderedDict[str, bytes] = OrderedDict()
 
-    def _key_of(self, producer: str) -> bytes:
+    def _key_of(self, producer: str) -> bytes | None:
+        key = self._given.get(producer)
+        if key is not None or not self._secret:
+            return key
         key = self._keys.get(producer)
         if key is None:
             key = self._keys[producer] = producer_key(self._secret, producer)
@@ -267,8 +281,13 @@ class ControlVerifier:
         return key
 
     def check(self, topic: str, record_key: bytes, value: bytes,
-              headers: Sequence[tuple[str, bytes | None]] | None, *, now: float) -> Envelope | Refusal | None:
-        """The record's envelope when it may be acted on, a Refusal when not; None: not authenticated here."""
+              headers: Sequence[tuple[str, bytes | None]] | None, *, now: float,
+              admit: bool = True) -> Envelope | Refusal | None:
+        """The record's envelope when it may be acted on, a Refusal when not; None: not authenticated here.
+
+        ``admit=False`` checks the header, the entitlement and the signature only, and leaves the
+        replay window alone: for a record the caller will not act on whatever it says (a command
+        keyed to another worker), so that it is not refused as stale, nor remembered."""
         if not self.authenticated:
             return None
         env = parse(signature_of(headers))
@@ -278,9 +297,15 @@ class ControlVerifier:
             roles = ", ".join(sorted(ENTITLED.get(topic, ()))) or "none"
             return Refusal("not_entitled", f"{topic}: producer {env.producer[:80]!r} (role {role_of(env.producer)[:40]!r}) "
                                            f"may not send here (entitled: {roles})")
-        why = verify(self._key_of(env.producer), topic, env, record_key, value)
+        key = self._key_of(env.producer)
+        if key is None:
+            return Refusal("no_key", f"{topic}: this host holds no key to check producer {env.producer[:80]!r} "
+                                     "(NEXUSKV_BUS_SECRET, or its key in NEXUSKV_PUBLISHER_KEYS)")
+        why = verify(key, topic, env, record_key, value)
         if why is not None:
             return why
+        if not admit:
+            return env
         why = self.window.admit(env, now=now)
         if why is not None:
             return Refusal(why.code, f"{topic}: {why.reason}")

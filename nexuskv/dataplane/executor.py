@@ -176,7 +176,7 @@ class TransferExecutor:
         if tiers is None or command.destination.worker != self.catalog.worker or command.bytes <= 0:
             return
         why = tiers.reserve(command.transfer_id, command.destination.tier, command.bytes,
-                            tenant=command.tenant_namespace, expires_at=command.deadline_at)
+                            tenant=command.tenant_namespace, expires_at=command.deadline_at, share=False)
         if why is not None:
             log.info("transfer %s: no room held while it waits (%s)", command.transfer_id, why)
 

@@ -20,9 +20,11 @@ decides with :mod:`nexuskv.admission`:
   little more than needed (``slack``), so a run of saves does not rescore the tier each time.
 * **Reservations.** A prefetch's room is set aside when its hint arrives (or its command, if that
   comes first) and held until the copy lands in it or the hint's ``expires_at`` passes — at most
-  ``prefetch_max_s`` from now whatever the hint says, and only while the room held for
-  prefetches in that tier stays within ``prefetch_fraction`` of its capacity (a hint beyond it
-  is refused with the numbers), so no hint can hold a tier for itself or for long.
+  ``prefetch_max_s`` from now whatever the hint says, and only while the room prefetch hints
+  hold in that tier stays within ``prefetch_fraction`` of its capacity (a hint beyond it is
+  refused with the numbers), so no hint can hold a tier for itself or for long. (The room an
+  executor holds for a queued command of its own is bounded in time, not share: the copy needs
+  it when it runs.)
 * **Hints stay in their tenant's scope.** A pin, unpin, demote or evict acts only on blocks of
   the tenant the hint names, and a release (a cancel) only on that tenant's room; an evict or
   demote never touches a pinned block, one being read or copied, or a prefix parent others
@@ -821,10 +823,14 @@ class TierManager:
 
     # -- hints ------------------------------------------------------------------------------------
 
-    def reserve(self, transfer_id: str, tier: Tier, nbytes: int, *, tenant: str, expires_at: float) -> str | None:
-        """Set ``nbytes`` aside in ``tier`` for a prefetch until it lands or ``expires_at``; None when
-        done, else why not. The planner priced the displacement already (it charged the published
-        price), so anything unpinned and idle may make room, cheapest first."""
+    def reserve(self, transfer_id: str, tier: Tier, nbytes: int, *, tenant: str, expires_at: float,
+                share: bool = True) -> str | None:
+        """Set ``nbytes`` aside in ``tier`` for a prefetch until it lands or ``expires_at`` (at most
+        ``prefetch_max_s`` from now); None when done, else why not. The planner priced the displacement
+        already (it charged the published price), so anything unpinned and idle may make room,
+        cheapest first. ``share``: within ``prefetch_fraction`` of the tier with the room held for
+        other prefetches (a hint); False for a queued copy's own room (the executor, for a command it
+        will run: the copy needs that room when it runs anyway)."""
         now = self.clock()
         if expires_at <= now or nbytes <= 0:
             return "nothing to reserve: expired or empty"
@@ -838,13 +844,13 @@ class TierManager:
             backend = self._backend_of(tier)
             if backend is None:
                 return f"worker {self.worker} has no managed {tier.value} tier"
-            share = int(backend.capacity_bytes * self.prefetch_fraction)
+            limit = int(backend.capacity_bytes * self.prefetch_fraction)
             held = sum(h.reservation.remaining for h in self._held.values() if h.backend is backend and not h.landing)
-            if held + nbytes > share:
+            if share and held + nbytes > limit:
                 self.counters["reservations_refused"] += 1
                 return (f"prefetch share: {nbytes} bytes more would hold {held + nbytes} of {backend.label}'s "
                         f"{backend.capacity_bytes} bytes for prefetches, beyond its {self.prefetch_fraction:.0%} "
-                        f"({share} bytes)")
+                        f"({limit} bytes)")
             why = self._make_room(backend, None, nbytes, now, events)
             reservation = backend.reserve(nbytes) if why is None else None
             if reservation is None:

@@ -6,7 +6,9 @@ Commands:
   start the stream workers, run until SIGINT/SIGTERM, then stop everything it started. If a
   service dies, ``up`` says which (with its log tail), stops the rest and exits with status 1.
 * ``nexuskv publisher-key NAME`` — print the signing key of publisher NAME under
-  ``NEXUSKV_BUS_SECRET``, for an engine host's ``NEXUSKV_PUBLISHER_KEYS``.
+  ``NEXUSKV_BUS_SECRET``, for an engine host's ``NEXUSKV_PUBLISHER_KEYS``; ``--control`` prints a
+  control producer's key instead (``executor/<worker>``, ``planner/<service>``: placement hints,
+  transfer commands and results), for a host that should hold only its own.
 * ``nexuskv broker`` — run an embedded broker (Tansu; ``--apache-kafka`` for a local Apache
   Kafka) and print its URL until interrupted.
 * ``nexuskv jaeger`` — build Jaeger on first use (Go; cached), run it on loopback with memory
@@ -76,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pkey = sub.add_parser("publisher-key", help="print a publisher's kv-events signing key (NEXUSKV_BUS_SECRET)")
     pkey.add_argument("publisher", help="the publisher name its batches carry (e.g. vllm/10.0.0.5:8000/dp0)")
+    pkey.add_argument("--control", action="store_true",
+                      help="a control producer's key (executor/<worker>, planner/<service>) instead")
     pkey.set_defaults(func=_cmd_publisher_key)
 
     broker = sub.add_parser("broker", help="run an embedded broker and print its URL")
@@ -248,11 +252,13 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_publisher_key(args: argparse.Namespace, settings: Settings) -> int:
+    from nexuskv.contracts.control_signature import producer_key
     from nexuskv.contracts.kv_signature import publisher_key
 
     if not settings.bus_secret:
         raise ConfigError("NEXUSKV_BUS_SECRET", "is empty: set the deployment's bus secret to derive publisher keys")
-    print(f"{args.publisher}={publisher_key(settings.bus_secret_bytes, args.publisher).hex()}")
+    derive = producer_key if args.control else publisher_key
+    print(f"{args.publisher}={derive(settings.bus_secret_bytes, args.publisher).hex()}")
     return 0
 
 

@@ -152,19 +152,22 @@ class ControlSigner:
 
 
 def control_verifier(settings: Settings) -> ControlVerifier:
-    """A consumer's verifier of control records under the deployment's bus secret (none: all taken)."""
-    return ControlVerifier(settings.bus_secret_bytes, window=control_signature.ReplayWindow(
-        max_age_s=settings.control_max_age_s))
+    """A consumer's verifier of control records under the deployment's bus secret, or the producer keys
+    this host was given (``NEXUSKV_PUBLISHER_KEYS``: then only those producers' records are taken);
+    neither: every record is taken, as before signing."""
+    return ControlVerifier(settings.bus_secret_bytes, keys=settings.publisher_key_map,
+                           window=control_signature.ReplayWindow(max_age_s=settings.control_max_age_s))
 
 
 def check_control(verifier: ControlVerifier, topic: Topic, record: ConsumerRecord, *, now: float,
-                  service: str) -> Envelope | None:
+                  service: str, admit: bool = True) -> Envelope | None:
     """The record's signed envelope (None where the deployment signs nothing); raises
     UnauthenticatedError, or ReplayedError for a replay, whose message is the dead-letter reason,
-    after counting the refusal on ``nexuskv_records_refused``."""
+    after counting the refusal on ``nexuskv_records_refused``. ``admit=False``: the signature only,
+    for a record this consumer will not act on (see :meth:`ControlVerifier.check`)."""
     key = bytes(record.key) if record.key is not None else b""
     value = bytes(record.value) if record.value is not None else b""
-    got = verifier.check(topic.name, key, value, record.headers, now=now)
+    got = verifier.check(topic.name, key, value, record.headers, now=now, admit=admit)
     if isinstance(got, Refusal):
         METRICS.records_refused.labels(service, topic.name, got.code).inc()
         error = ReplayedError if got.code in _REPLAY_CODES else UnauthenticatedError

@@ -21,7 +21,7 @@ class _Metrics:
                                       ["service", "unit"], registry=registry)
         self.events_rejected = Counter("nexuskv_events_rejected", "records sent to the dead-letter topic",
                                        ["service", "topic"], registry=registry)
-        # reason: a short code (unsigned, malformed, forged, not_entitled, replayed, stale, outside_window,
+        # reason: a short code (unsigned, malformed, no_key, forged, not_entitled, replayed, stale, outside_window,
         # window_full), never free text; every such record is also dead-lettered with its full reason.
         self.records_refused = Counter("nexuskv_records_refused",
                                        "signed-topic records refused before they were acted on",

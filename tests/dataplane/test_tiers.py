@@ -255,3 +255,17 @@ def test_a_copy_that_cannot_be_admitted_is_rejected_for_capacity_with_the_reason
         assert device.keys() == [] and device.free_bytes() == device.capacity_bytes
     finally:
         ex.close()
+
+
+def test_a_queued_copys_room_is_not_held_to_the_prefetch_share_but_to_its_time(tiers):
+    h, m, host, _disk = tiers(host_blocks=4, disk_blocks=0)  # default share: 25 % of the tier
+    assert "prefetch share" in m.reserve("hint", Tier.HOST, 3 * BLOCK_BYTES, tenant="acme",
+                                         expires_at=h.clock.now + 2)
+    assert m.reserve("copy", Tier.HOST, 3 * BLOCK_BYTES, tenant="acme", expires_at=h.clock.now + 3600,
+                     share=False) is None  # the executor's own room for a command it will run
+    assert host.free_bytes() == BLOCK_BYTES
+    h.clock.now += 61  # held 60 s at most, whatever the deadline said
+    m.tick()
+    assert m.counters["reservations_expired"] == 1 and m.counters["reservations_shortened"] == 1
+    assert host.free_bytes() == 4 * BLOCK_BYTES
+    _agree(h, m)

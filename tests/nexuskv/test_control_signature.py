@@ -141,3 +141,23 @@ def test_producer_names_and_keys_are_checked():
     with pytest.raises(ValueError):
         cs.sign(b"k" * 32, PLACEMENT, Envelope("p" * 300, 1, 0, NOW), b"k", b"v")
     assert cs.role_of("planner/nexuskv-planner") == "planner" and cs.role_of("executor") == "executor"
+
+
+def test_a_host_given_keys_but_no_secret_checks_with_them_and_fails_closed():
+    planner_key = cs.producer_key(SECRET, "planner/p")
+    v = ControlVerifier(b"", keys={"planner/p": planner_key})
+    assert v.authenticated
+    assert isinstance(_check(v, PLACEMENT, _signed(PLACEMENT, "planner/p")), Envelope)
+    got = _check(v, PLACEMENT, _signed(PLACEMENT, "planner/q", seq=1))  # a planner this host has no key for
+    assert isinstance(got, Refusal) and got.code == "no_key"
+    assert _check(v, PLACEMENT, (b"k", b"v", [])).code == "unsigned"
+
+
+def test_a_record_not_acted_on_is_checked_for_its_signature_only():
+    v = ControlVerifier(SECRET)
+    old = _signed(TRANSFERS, "planner/p", sent_at=NOW - 3600)  # another worker's command, an hour old
+    got = v.check(TRANSFERS, *old, now=NOW, admit=False)
+    assert isinstance(got, Envelope) and len(v.window) == 0
+    assert v.check(TRANSFERS, *old, now=NOW).code == "stale"
+    forged = _signed(TRANSFERS, "planner/p", secret=b"y" * 32)
+    assert v.check(TRANSFERS, *forged, now=NOW, admit=False).code == "forged"

@@ -22,6 +22,7 @@ from nexuskv.contracts.placement import HintKind
 from nexuskv.contracts.topics import DEAD_LETTER, DECISIONS, PLACEMENT, PLAN_REQUESTS, TRANSFER_RESULTS, TRANSFERS
 from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
 from nexuskv.descriptor import Tier
+from nexuskv.errors import ContractError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
 from streams.bus.clients import ControlSigner, make_consumer, make_producer, record_headers
@@ -187,7 +188,10 @@ async def test_outsider_hints_and_commands_change_nothing_on_a_worker(kafka_url,
         while time.monotonic() < deadline and not mine:
             for records in (await consumer.getmany(timeout_ms=300)).values():
                 for r in records:
-                    value = codec.decode(TRANSFER_RESULTS, r.value)
+                    try:
+                        value = codec.decode(TRANSFER_RESULTS, r.value)
+                    except ContractError:
+                        continue
                     if isinstance(value, TransferResult) and value.destination.worker == worker:
                         mine.append((r, value))
     finally:
@@ -221,7 +225,10 @@ async def test_a_planner_acts_only_on_results_an_executor_signed_once(kafka_url)
             assert time.monotonic() < deadline, f"not within {TIMEOUT_S}s: {sorted(seen)}"
             for records in (await out.getmany(timeout_ms=100)).values():
                 for r in records:
-                    value = codec.decode(DECISIONS if r.topic == DECISIONS.name else TRANSFERS, r.value)
+                    try:
+                        value = codec.decode(DECISIONS if r.topic == DECISIONS.name else TRANSFERS, r.value)
+                    except ContractError:
+                        continue  # other tests on the shared broker put malformed records here on purpose
                     if isinstance(value, Decision) and value.request_id == far.request_id:
                         seen[f"decision/{value.revision}"] = value
                     elif isinstance(value, TransferCommand) and value.request_id == far.request_id:
@@ -261,3 +268,36 @@ async def test_a_planner_acts_only_on_results_an_executor_signed_once(kafka_url)
         await out.stop()
         await producer.stop()
         await service.stop()
+
+
+async def test_a_router_follows_only_route_hints_a_planner_signed_once(kafka_url):
+    from streams.router import RouteHints
+    from streams.router_service import PlacementFollower
+
+    await ensure_topics(kafka_url, partitions=2)
+    tag = uuid.uuid4().hex[:8]
+    hints = RouteHints()
+    follower = PlacementFollower(kafka_url, hints, client_id=f"router-{tag}", verifier=ControlVerifier(BUS))
+    await follower.start()
+    task = asyncio.create_task(follower.run())
+    producer = make_producer(kafka_url, client_id="control-test-router")
+    await producer.start()
+    try:
+        route = lambda rid, worker: _hint(HintKind.ROUTE, worker).model_copy(  # noqa: E731
+            update={"request_id": rid, "tier": None})
+        genuine = _record(PLACEMENT, f"acme/{tag}", route(f"r-good-{tag}", "w-good"), _signer("planner/p"))
+        await _send(producer, [
+            _record(PLACEMENT, f"acme/{tag}", route(f"r-bad-{tag}", "w-mallory"), None),
+            _record(PLACEMENT, f"acme/{tag}", route(f"r-forged-{tag}", "w-mallory"), _signer("planner/p", b"x" * 32)),
+            genuine,
+            _record(PLACEMENT, f"acme/{tag}", route(f"r-good-{tag}", "w-mallory"), _signer("executor/w0")),
+        ])
+        await _until(lambda: follower.refused >= 3 and hints.hint_for(f"r-good-{tag}", time.time()) is not None,
+                     "3 refused, the genuine route followed")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await follower.stop()
+        await producer.stop()
+    assert hints.hint_for(f"r-good-{tag}", time.time()).worker == "w-good"
+    assert hints.hint_for(f"r-bad-{tag}", time.time()) is None and hints.hint_for(f"r-forged-{tag}", time.time()) is None

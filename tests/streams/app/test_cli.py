@@ -42,6 +42,18 @@ def test_config_table_masks_the_secret():
     assert "| `NEXUSKV_BROKER` |" in md.stdout
 
 
+def test_publisher_key_prints_a_kv_events_or_a_control_producers_key():
+    from nexuskv.contracts.control_signature import producer_key
+    from nexuskv.contracts.kv_signature import publisher_key
+
+    secret = "bus-hunter2-bus-hunter2"
+    kv = _run(["publisher-key", "vllm/a/dp0"], NEXUSKV_BUS_SECRET=secret)
+    assert kv.returncode == 0 and kv.stdout.strip() == f"vllm/a/dp0={publisher_key(secret.encode(), 'vllm/a/dp0').hex()}"
+    ctl = _run(["publisher-key", "--control", "executor/w0"], NEXUSKV_BUS_SECRET=secret)
+    assert ctl.returncode == 0
+    assert ctl.stdout.strip() == f"executor/w0={producer_key(secret.encode(), 'executor/w0').hex()}"
+
+
 def _children(pid: int) -> set[int]:
     kids = set()
     for entry in os.listdir("/proc"):
