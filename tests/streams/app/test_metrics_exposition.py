@@ -27,6 +27,7 @@ NEXUSKV = [sys.executable, "-m", "streams.app.cli"]
 #: What the README's "Metrics to alert on" list names; every service declares them (one registry).
 ALERTED = {"nexuskv_consumer_lag", "nexuskv_events_rejected", "nexuskv_transfer_outcomes",
            "nexuskv_decisions", "nexuskv_service_alive", "nexuskv_service_ready", "nexuskv_spans_dropped",
+           "nexuskv_records_refused", "nexuskv_hints_refused",
            "nexuskv_index_unrecoverable_records"}
 
 
