@@ -96,7 +96,7 @@ from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
 
-__all__ = ["IndexSidecar", "AskLimits", "ASK_SWITCH_INTERVAL_S", "prefer_asks", "main"]
+__all__ = ["ASK_SWITCH_INTERVAL_S", "AskLimits", "IndexSidecar", "main", "prefer_asks"]
 
 log = logging.getLogger("nexuskv.index_sidecar")
 _SCOPES = 1024
@@ -341,7 +341,7 @@ class IndexSidecar:
         error: BaseException | None = None
         try:
             loop.run_forever()
-        except BaseException as exc:  # noqa: BLE001 - serve_forever raises it in the service's loop
+        except BaseException as exc:
             error = exc
             log.error("index sidecar: the ask thread failed", exc_info=exc)
         finally:
@@ -436,7 +436,7 @@ class IndexSidecar:
     def _lookup(self, request_id: int, scope: IdentityScope, keys: bytes) -> Answer:
         try:
             return answer_of(request_id, self.replica.lookup(scope, keys))
-        except Exception as exc:  # noqa: BLE001 - an answer, and the engine recomputes
+        except Exception as exc:
             self.errors += 1
             log.exception("index sidecar: a lookup failed")
             return Answer(VERSION, request_id, f"lookup failed: {type(exc).__name__}")
