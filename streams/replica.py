@@ -81,7 +81,7 @@ from streams.bus.metrics import METRICS
 from streams.index_worker import apply_sliced, load_checkpoints
 from streams.kv_intake import SLICE_S, KvIntake, Slicer
 
-__all__ = ["FROM_ENV", "KEYER_CACHE", "IndexReplica", "report_readiness"]
+__all__ = ["IndexReplica", "KEYER_CACHE", "FROM_ENV", "report_readiness"]
 
 log = logging.getLogger("nexuskv.replica")
 KEYER_CACHE = 256
@@ -139,7 +139,7 @@ class IndexReplica:
             if loop.time() > deadline:
                 await consumer.stop()
                 raise BrokerError(f"topic {self.topic.name} has no partitions on {self.url}")
-            await consumer._client.force_metadata_update()
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - aiokafka has no public refresh
             parts = consumer.partitions_for_topic(self.topic.name)
             if not parts:
                 await asyncio.sleep(0.2)
