@@ -181,7 +181,7 @@ def test_a_large_ask_is_answered_on_the_bulk_thread_and_holds_no_small_one(sock_
         server.stop()
 
 
-def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answered(sock_path):
+def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answered(sock_path, caplog):
     server = _serve(sock_path, frame_deadline_s=0.3)
     before = _refused("frame_deadline")
     try:
@@ -198,6 +198,8 @@ def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answe
             s.close()
         assert 0.2 < time.perf_counter() - t0 < 2.0
         assert _refused("frame_deadline") - before == 5 and server.sidecar.refusals == {"frame_deadline": 5}
+        logged = [r for r in caplog.records if "refused (frame_deadline)" in r.getMessage()]
+        assert len(logged) == 1  # every refusal counted, one line per reason per 10 s: no log flood
         # A connection that finishes each frame in time is never closed, however long it lives.
         for i in range(3):
             time.sleep(0.2)
@@ -232,6 +234,43 @@ def test_connections_are_capped_and_the_one_idle_longest_gives_way(sock_path):
         assert server.on_ask_loop(lambda: len(server.sidecar._open)) == 3
         for s in held[1:] + [extra]:
             s.close()
+    finally:
+        server.stop()
+
+
+def test_a_flood_of_reconnects_costs_one_refusal_per_accept_pause(sock_path):
+    server = _serve(sock_path, max_connections=2)
+    try:
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
+        assert client.lookup(SCOPE, bytes(16 * 2)).matches
+        held = _connect(sock_path)
+        stop = time.monotonic() + 1.0
+        tries = [0]
+
+        def flood() -> None:
+            while time.monotonic() < stop:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(0.2)
+                try:
+                    s.connect(str(sock_path))
+                    tries[0] += 1
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+
+        threads = [threading.Thread(target=flood) for _ in range(4)]
+        for t in threads:
+            t.start()
+        answered = 0
+        while time.monotonic() < stop:
+            answered += bool(client.lookup(SCOPE, bytes(16 * 2)).matches)
+        for t in threads:
+            t.join()
+        refused = server.sidecar.refusals.get("connections", 0)
+        assert tries[0] > 100 and 1 <= refused <= 1.0 / 0.05 * 1.5 + 2, (tries, refused)
+        assert answered > 10 and client.stats["answered"] == answered + 1 and client.stats["timeouts"] == 0
+        held.close()
     finally:
         server.stop()
 
