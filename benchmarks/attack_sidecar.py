@@ -15,8 +15,10 @@ each started fresh for every run, the same index, the same attacks:
 
 Attacks, each from a separate attacker process (asyncio), while one engine
 (:class:`connectors.index_client.IndexClient` with a 1 s budget, so the true round trip is
-measured; the production budget is 20 ms) asks 512-key questions (8K-token prompts of the trace)
-back to back on its connection:
+measured; the production budget is 20 ms), connected before the attack as an engine connects at
+start, asks 512-key questions (8K-token prompts of the trace) back to back on its connection; at
+the end of each attack a second engine connects and asks once within 20 ms (``newcomer``: an
+engine restarting during the attack):
 
 * ``none`` — no attack;
 * ``slowloris`` — 200 connections each announcing a 4 MiB frame (the pre-fix largest; a
@@ -257,12 +259,17 @@ def pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))] * 1000.0
 
 
-def engine_asks(path: str, seconds: float, qs: list) -> tuple[list[float], dict]:
+def connected(path: str, qs: list):
+    """An engine's client, connected and warm (an engine connects at start and keeps its connection)."""
     from connectors.index_client import IndexClient
 
     client = IndexClient(path, budget_s=1.0, backoff_s=0.0)
     for q in qs[:50]:
         client.lookup(q.scope, q.keys)
+    return client
+
+
+def engine_asks(client, seconds: float, qs: list) -> tuple[list[float], dict]:
     times = []
     stop = time.perf_counter() + seconds
     i = 0
@@ -277,12 +284,26 @@ def engine_asks(path: str, seconds: float, qs: list) -> tuple[list[float], dict]
     return times, stats
 
 
+def newcomer(path: str, qs: list) -> dict:
+    """An engine (re)starting during the attack: its first ask on a new connection, 20 ms budget."""
+    from connectors.index_client import IndexClient
+
+    client = IndexClient(path, budget_s=BUDGET_MS / 1000.0, backoff_s=0.0)
+    t0 = time.perf_counter()
+    got = client.lookup(qs[0].scope, qs[0].keys)
+    out = {"ms": (time.perf_counter() - t0) * 1000, "answered": bool(client.stats["answered"]),
+           "hits": bool(got.matches), **{k: v for k, v in client.stats.items() if v and k != "asked"}}
+    client.close()
+    return out
+
+
 def one_mode(mode: str, seconds: float, qs: list) -> dict:
     proc, path = start_server(mode)
     out: dict = {}
     try:
-        engine_asks(path, 1.0, qs)  # warm
+        engine_asks(connected(path, qs), 1.0, qs)  # warm the server
         for kind in ATTACKS:
+            client = connected(path, qs)
             base = rss_mib(proc.pid)
             peak = [base]
             sampling = threading.Event()
@@ -302,7 +323,8 @@ def one_mode(mode: str, seconds: float, qs: list) -> dict:
                                             stdout=subprocess.PIPE, env=env)
                 assert attacker.stdout is not None and attacker.stdout.readline().strip() == b"attacking"
                 time.sleep(1.0)  # let it ramp up
-            times, stats = engine_asks(path, seconds, qs) if proc.poll() is None else ([1.0], {})
+            times, stats = engine_asks(client, seconds, qs) if proc.poll() is None else ([1.0], {})
+            late = newcomer(path, qs) if proc.poll() is None else {}
             counts = {}
             if attacker is not None:
                 assert attacker.stdout is not None
@@ -316,10 +338,10 @@ def one_mode(mode: str, seconds: float, qs: list) -> dict:
             out[kind] = {"p50_ms": pct(times, 0.5), "p99_ms": pct(times, 0.99), "max_ms": max(times) * 1000,
                          "asks": len(times), "over_budget": sum(t * 1000 > BUDGET_MS for t in times),
                          "rss_before_mib": round(base, 1), "rss_growth_mib": round(peak[0] - base, 1),
-                         "alive": proc.poll() is None, "client": stats, "attacker": counts}
+                         "alive": proc.poll() is None, "client": stats, "attacker": counts, "newcomer": late}
             print(f"  {mode:<7} {kind:<10} p50 {out[kind]['p50_ms']:7.2f} ms  p99 {out[kind]['p99_ms']:7.2f} ms  "
                   f"over {BUDGET_MS:.0f} ms {out[kind]['over_budget']:5d}/{len(times):<6d} "
-                  f"RSS +{out[kind]['rss_growth_mib']:.0f} MiB  alive {out[kind]['alive']}", flush=True)
+                  f"RSS +{out[kind]['rss_growth_mib']:.0f} MiB  alive {out[kind]['alive']}  newcomer {late}", flush=True)
             time.sleep(0.5)
     finally:
         proc.terminate()
