@@ -321,7 +321,7 @@ class IndexSidecar:
 
     async def serve_forever(self) -> None:
         """Until :meth:`close`; raises when the ask thread ended otherwise (the supervisor's failure)."""
-        await asyncio.wrap_future(self._ended)
+        await asyncio.shield(asyncio.wrap_future(self._ended))  # cancelling this task stops nothing
         if not self._closing:
             raise RuntimeError("the index sidecar's ask thread stopped")
 
@@ -332,7 +332,7 @@ class IndexSidecar:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._shutdown)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.wrap_future(self._ended), 10)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ended)), 10)
         self._bulk.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

@@ -374,3 +374,21 @@ def test_the_limits_come_from_the_settings_and_a_bad_one_names_its_variable():
     with pytest.raises(ValueError, match="max_keys"):
         IndexClient("/tmp/x.sock", max_keys=0)
     assert pack_keys(bytes(32)) == bytes(32)
+
+
+def test_a_cancelled_server_task_still_closes_the_sidecar_cleanly(sock_path):
+    async def main() -> None:
+        sidecar = IndexSidecar(SlowReplica(), sock_path)
+        await sidecar.start()
+        task = asyncio.create_task(sidecar.serve_forever())  # as a supervisor's stop cancels it
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sidecar.close()
+        assert sidecar._thread is not None
+        sidecar._thread.join(5)
+        assert not sidecar._thread.is_alive() and not sock_path.exists()
+        assert not sidecar._ended.cancelled() and sidecar._ended.exception() is None
+
+    asyncio.run(main())
