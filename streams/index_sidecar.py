@@ -32,7 +32,9 @@ hold the small ones behind it. ``OP_SYNC`` waits on the replica's loop, holding 
 * a connection has ``NEXUSKV_INDEX_FRAME_DEADLINE_MS`` to finish a frame it began (a slowloris
   sender is closed);
 * at most ``NEXUSKV_INDEX_MAX_CONNECTIONS`` connections: a new one beyond takes the place of the
-  one idle longest if that one has been idle :attr:`AskLimits.idle_evict_s`, else it is refused
+  one idle longest among those that never sent an ask (idle :attr:`AskLimits.idle_evict_s`, 1 s),
+  else among those that did (:attr:`AskLimits.asked_idle_evict_s`, 10 min: an engine's
+  connection asks at once and survives a flood of silent ones), else it is refused
   (an error frame written at accept, then closed) and the sidecar stops accepting for
   :data:`ACCEPT_PAUSE_S`, so a flood of reconnects costs it one refusal per pause, not one per
   connect (they wait in the kernel's backlog meanwhile);
@@ -128,7 +130,8 @@ class AskLimits:
     max_keys: int = 16_384
     max_connections: int = 128
     frame_deadline_s: float = 1.0
-    idle_evict_s: float = 10.0
+    idle_evict_s: float = 1.0  # a connection that never asked, idle this long, gives way to a new one
+    asked_idle_evict_s: float = 600.0  # one that asked (an engine's) only after this long idle
     bulk_keys: int = 2048
     bulk_queue: int = 4
 
@@ -136,9 +139,10 @@ class AskLimits:
         for name in ("max_keys", "max_connections", "bulk_keys", "bulk_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AskLimits.{name} must be at least 1, not {getattr(self, name)}")
-        if not (self.frame_deadline_s > 0 and self.idle_evict_s >= 0):
-            raise ValueError(f"AskLimits: frame_deadline_s {self.frame_deadline_s} must be positive, "
-                             f"idle_evict_s {self.idle_evict_s} non-negative")
+        if not (self.frame_deadline_s > 0 and 0 <= self.idle_evict_s <= self.asked_idle_evict_s):
+            raise ValueError(f"AskLimits: frame_deadline_s {self.frame_deadline_s} must be positive, idle_evict_s "
+                             f"{self.idle_evict_s} non-negative and at most asked_idle_evict_s "
+                             f"{self.asked_idle_evict_s}")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AskLimits:
@@ -160,6 +164,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.last_active = self.loop.time()
+        self.asked = False  # it sent a valid ask (every engine's connection does, at once)
         self.busy = False  # one of its asks is answered on another thread: reading paused
         self.write_paused = False  # its answers are not read: reading paused
         self._deadline: asyncio.TimerHandle | None = None
@@ -210,6 +215,7 @@ class _Connection(asyncio.Protocol):
                 self.sidecar.malformed += 1
                 self.refuse("malformed", str(exc))
                 return
+            self.asked = True
             self.sidecar.answer(ask, self)
         if buf and self.transport is not None and not self.busy and not self.write_paused:
             if self._deadline is None:
@@ -443,14 +449,21 @@ class IndexSidecar:
 
     def _room(self) -> bool:
         """Whether a new connection may be held: under the cap, or taking the place of the one idle
-        longest (idle at least :attr:`AskLimits.idle_evict_s`)."""
+        longest among those that never asked (idle at least :attr:`AskLimits.idle_evict_s`), else
+        among those that did (at least :attr:`AskLimits.asked_idle_evict_s`): a flood of silent
+        connections gives way to engines, and an engine's connection survives the flood."""
         if len(self._open) + self._admitting < self.limits.max_connections:
             return True
-        idle = [c for c in self._open if c.idle]
-        victim = min(idle, key=lambda c: c.last_active, default=None)
-        if victim is None or victim.loop.time() - victim.last_active < self.limits.idle_evict_s:
+        assert self._loop is not None
+        now, victim = self._loop.time(), None
+        for asked, after in ((False, self.limits.idle_evict_s), (True, self.limits.asked_idle_evict_s)):
+            idle = [c for c in self._open if c.idle and c.asked is asked and now - c.last_active >= after]
+            victim = min(idle, key=lambda c: c.last_active, default=None)
+            if victim is not None:
+                break
+        if victim is None:
             return False
-        self._count("evicted", "the connection idle longest makes room for a new one")
+        self._count("evicted", "an idle connection makes room for a new one")
         assert victim.transport is not None
         victim.transport.close()
         self._open.discard(victim)

@@ -209,7 +209,7 @@ def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answe
         server.stop()
 
 
-def test_connections_are_capped_and_the_one_idle_longest_gives_way(sock_path):
+def test_connections_are_capped_and_a_silent_idle_one_gives_way_never_an_engines(sock_path):
     server = _serve(sock_path, max_connections=3, idle_evict_s=0.3)
     before = _refused("connections")
     try:
@@ -229,10 +229,16 @@ def test_connections_are_capped_and_the_one_idle_longest_gives_way(sock_path):
         assert _read_answer(held[1]).id == 7 and _read_answer(held[2]).id == 8
         client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
         assert client.lookup(SCOPE, bytes(16 * 2)).matches  # takes held[0]'s place
-        assert held[0].recv(10) == b""
+        assert held[0].recv(10) == b""  # it never asked: it gave way
         assert server.sidecar.refusals == {"connections": 1, "evicted": 1}
         assert server.on_ask_loop(lambda: len(server.sidecar._open)) == 3
-        for s in held[1:] + [extra]:
+        # Every connection held has asked (engines'): idle 0.4 s, none gives way to a silent newcomer.
+        time.sleep(0.4)
+        late = _connect(sock_path)
+        assert _read_answer(late).error.startswith("connections")
+        assert client.lookup(SCOPE, bytes(16 * 2)).matches and client.stats["connects"] == 1
+        assert server.sidecar.refusals == {"connections": 2, "evicted": 1}
+        for s in held[1:] + [extra, late]:
             s.close()
     finally:
         server.stop()
