@@ -271,9 +271,10 @@ class Settings(BaseModel):
     )
     index_max_connections: int = _env(
         "NEXUSKV_INDEX_MAX_CONNECTIONS",
-        "Most engine connections the index sidecar holds; beyond it a new one takes the place of the one idle "
-        "longest (idle at least 10 s) or is refused with an error frame. Bounds the sidecar's memory with "
-        "NEXUSKV_INDEX_MAX_ASK_KEYS (each connection buffers at most one ask).", 128, ge=1, le=65_536,
+        "Most engine connections the index sidecar holds; beyond it a new one takes the place of an idle one "
+        "(one that never asked, idle 1 s; else one idle 10 min) or is refused with an error frame. Bounds the "
+        "sidecar's memory with NEXUSKV_INDEX_MAX_ASK_KEYS (each connection buffers at most one ask).", 128, ge=1,
+        le=65_536,
     )
     index_frame_deadline_ms: float = _env(
         "NEXUSKV_INDEX_FRAME_DEADLINE_MS",

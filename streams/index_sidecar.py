@@ -32,7 +32,12 @@ hold the small ones behind it. ``OP_SYNC`` waits on the replica's loop, holding 
 * a connection has ``NEXUSKV_INDEX_FRAME_DEADLINE_MS`` to finish a frame it began (a slowloris
   sender is closed);
 * at most ``NEXUSKV_INDEX_MAX_CONNECTIONS`` connections: a new one beyond takes the place of the
-  one idle longest if that one has been idle :attr:`AskLimits.idle_evict_s`, else it is refused;
+  one idle longest among those that never sent an ask (idle :attr:`AskLimits.idle_evict_s`, 1 s),
+  else among those that did (:attr:`AskLimits.asked_idle_evict_s`, 10 min: an engine's
+  connection asks at once and survives a flood of silent ones), else it is refused
+  (an error frame written at accept, then closed) and the sidecar stops accepting for
+  :data:`ACCEPT_PAUSE_S`, so a flood of reconnects costs it one refusal per pause, not one per
+  connect (they wait in the kernel's backlog meanwhile);
 * one ask per connection at a time: reading pauses while an ask of the connection is answered
   on another thread or while its answers are not read, so a connection buffers at most one frame
   (plus one socket read) and one answer. Memory is at most connections x (frame + answer).
@@ -41,7 +46,8 @@ Every refusal is counted on ``nexuskv_index_ask_refusals{reason}`` (and :attr:`I
 and answered with an error frame where the wire allows: with the ask's id for an ask refused
 (``too_many_keys``, ``bad_scope``, ``bulk_busy``), with id 0 before closing a connection
 (``connections``, ``frame_deadline``, ``frame_size``, ``malformed``); ``evicted`` counts idle
-connections closed for a new one.
+connections closed for a new one, ``accept_failed`` accepts the OS refused (out of descriptors).
+Refusals are logged at most once per :data:`REFUSAL_LOG_S` per reason (with how many were not).
 
 **Hostile or broken clients.** The socket is created mode 0660: only the node's NexusKV user and
 group reach it; it is the trust boundary (a local process may look up any tenant's blocks, as an
@@ -67,6 +73,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,13 +103,19 @@ from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
 
-__all__ = ["IndexSidecar", "AskLimits", "ASK_SWITCH_INTERVAL_S", "prefer_asks", "main"]
+__all__ = ["ASK_SWITCH_INTERVAL_S", "AskLimits", "IndexSidecar", "main", "prefer_asks"]
 
 log = logging.getLogger("nexuskv.index_sidecar")
 _SCOPES = 1024
 #: The interpreter's switch interval in the sidecar process (CPython's default is 5 ms): how long
 #: the ingest loop may keep the GIL from an ask thread that wants it.
 ASK_SWITCH_INTERVAL_S = 0.0002
+#: Seconds between two log lines of refusals of one reason (all are counted on the metric).
+REFUSAL_LOG_S = 10.0
+#: Seconds the sidecar stops accepting after refusing a connection at its cap: connects wait in the
+#: kernel's backlog meanwhile, so a flood of reconnects cannot keep the ask thread busy refusing.
+ACCEPT_PAUSE_S = 0.05
+_BACKLOG = 256
 
 
 def prefer_asks() -> None:
@@ -117,7 +130,8 @@ class AskLimits:
     max_keys: int = 16_384
     max_connections: int = 128
     frame_deadline_s: float = 1.0
-    idle_evict_s: float = 10.0
+    idle_evict_s: float = 1.0  # a connection that never asked, idle this long, gives way to a new one
+    asked_idle_evict_s: float = 600.0  # one that asked (an engine's) only after this long idle
     bulk_keys: int = 2048
     bulk_queue: int = 4
 
@@ -125,9 +139,10 @@ class AskLimits:
         for name in ("max_keys", "max_connections", "bulk_keys", "bulk_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AskLimits.{name} must be at least 1, not {getattr(self, name)}")
-        if not (self.frame_deadline_s > 0 and self.idle_evict_s >= 0):
-            raise ValueError(f"AskLimits: frame_deadline_s {self.frame_deadline_s} must be positive, "
-                             f"idle_evict_s {self.idle_evict_s} non-negative")
+        if not (self.frame_deadline_s > 0 and 0 <= self.idle_evict_s <= self.asked_idle_evict_s):
+            raise ValueError(f"AskLimits: frame_deadline_s {self.frame_deadline_s} must be positive, idle_evict_s "
+                             f"{self.idle_evict_s} non-negative and at most asked_idle_evict_s "
+                             f"{self.asked_idle_evict_s}")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AskLimits:
@@ -149,6 +164,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.last_active = self.loop.time()
+        self.asked = False  # it sent a valid ask (every engine's connection does, at once)
         self.busy = False  # one of its asks is answered on another thread: reading paused
         self.write_paused = False  # its answers are not read: reading paused
         self._deadline: asyncio.TimerHandle | None = None
@@ -159,7 +175,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.sidecar._admit(self)
+        self.sidecar._opened(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -199,6 +215,7 @@ class _Connection(asyncio.Protocol):
                 self.sidecar.malformed += 1
                 self.refuse("malformed", str(exc))
                 return
+            self.asked = True
             self.sidecar.answer(ask, self)
         if buf and self.transport is not None and not self.busy and not self.write_paused:
             if self._deadline is None:
@@ -242,11 +259,10 @@ class _Connection(asyncio.Protocol):
 
     def refuse(self, reason: str, why: str, *, request_id: int = 0) -> None:
         """Count ``reason``; answer the error (id 0: then close the connection)."""
-        self.sidecar._count(reason)
+        self.sidecar._count(reason, why)
         if request_id:
             self.send(Answer(VERSION, request_id, f"{reason}: {why}"))
             return
-        log.warning("index sidecar: closing a connection (%s): %s", reason, why)
         self.send(Answer(VERSION, 0, f"{reason}: {why}"))
         self.buffer = bytearray()
         self._stop_clock()
@@ -275,7 +291,12 @@ class IndexSidecar:
         self.malformed = 0  # connections closed for a malformed frame
         self.connections = 0
         self.refusals: dict[str, int] = {}
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._admitting = 0  # accepted, their transports not made yet
+        self._accept_paused = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._full = f"the sidecar holds its {self.limits.max_connections} connections"
+        self._full_frame = encode_answer(Answer(VERSION, 0, f"connections: {self._full}"))
         self._scopes: OrderedDict[WireScope, IdentityScope] = OrderedDict()
         self._open: set[_Connection] = set()
         self._home: asyncio.AbstractEventLoop | None = None
@@ -285,6 +306,8 @@ class IndexSidecar:
         self._bulk = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-bulk-asks")
         self._bulk_waiting = 0
         self._closing = False
+        self._logged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
 
     # -- lifecycle (the caller's loop) --------------------------------------------------------------
 
@@ -304,9 +327,7 @@ class IndexSidecar:
 
     async def serve_forever(self) -> None:
         """Until :meth:`close`; raises when the ask thread ended otherwise (the supervisor's failure)."""
-        # Shielded: cancelling this task (the supervisor stopping) must not cancel the thread's own
-        # future, which close() then waits on.
-        await asyncio.shield(asyncio.wrap_future(self._ended))
+        await asyncio.shield(asyncio.wrap_future(self._ended))  # cancelling this task stops nothing
         if not self._closing:
             raise RuntimeError("the index sidecar's ask thread stopped")
 
@@ -316,9 +337,8 @@ class IndexSidecar:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._shutdown)
-            if not self._ended.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ended)), 10)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ended)), 10)
         self._bulk.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -329,12 +349,19 @@ class IndexSidecar:
         loop = self._loop = asyncio.new_event_loop()
         try:
             asyncio.set_event_loop(loop)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o117)  # the socket is created 0660
             try:
-                self._server = loop.run_until_complete(
-                    loop.create_unix_server(lambda: _Connection(self), str(self.path)))
+                listener.bind(str(self.path))
+            except BaseException:
+                listener.close()
+                raise
             finally:
                 os.umask(old)
+            listener.listen(_BACKLOG)
+            listener.setblocking(False)
+            self._listener = listener
+            loop.add_reader(listener.fileno(), self._accept)
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
             listening.set_exception(exc)
             loop.close()
@@ -344,7 +371,7 @@ class IndexSidecar:
         error: BaseException | None = None
         try:
             loop.run_forever()
-        except BaseException as exc:  # noqa: BLE001 - serve_forever raises it in the service's loop
+        except BaseException as exc:
             error = exc
             log.error("index sidecar: the ask thread failed", exc_info=exc)
         finally:
@@ -357,30 +384,105 @@ class IndexSidecar:
                 self._ended.set_result(None)
 
     def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        self._closing = True
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())  # type: ignore[union-attr]
+            self._listener.close()
         for conn in list(self._open):  # clients see the stop at once, as when the process ends
             if conn.transport is not None:
                 conn.transport.close()
         assert self._loop is not None
         self._loop.call_soon(self._loop.stop)  # after the transports' closing callbacks
 
-    def _count(self, reason: str) -> None:
+    def _count(self, reason: str, why: str) -> None:
+        """Count a refusal; log it, at most once per :data:`REFUSAL_LOG_S` per reason (an attacker
+        choosing how often it is refused must not choose how much this process writes)."""
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         METRICS.index_ask_refusals.labels(reason).inc()
+        now = time.monotonic()
+        last = self._logged.get(reason)
+        if last is not None and now - last < REFUSAL_LOG_S:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+            return
+        self._logged[reason] = now
+        more = self._unlogged.pop(reason, 0)
+        log.warning("index sidecar: refused (%s): %s%s", reason, why,
+                    f" (and {more} more since the last such line)" if more else "")
 
-    def _admit(self, conn: _Connection) -> None:
-        self.connections += 1
-        if len(self._open) >= self.limits.max_connections:
-            idle = [c for c in self._open if c.idle]
-            victim = min(idle, key=lambda c: c.last_active, default=None)
-            if victim is None or conn.loop.time() - victim.last_active < self.limits.idle_evict_s:
-                conn.refuse("connections", f"the sidecar holds its {self.limits.max_connections} connections")
+    # -- admission: accepted here, so a refusal costs one accept and one small write --------------
+
+    def _accept(self) -> None:
+        listener, loop = self._listener, self._loop
+        assert listener is not None and loop is not None
+        for _ in range(64):
+            try:
+                sock, _addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            self._count("evicted")
-            assert victim.transport is not None
-            victim.transport.close()
-            self._open.discard(victim)
+            except OSError as exc:  # out of file descriptors, say: stop accepting a while
+                self._count("accept_failed", str(exc))
+                self._pause_accepting()
+                return
+            self.connections += 1
+            if not self._room():
+                self._count("connections", self._full)
+                with contextlib.suppress(OSError):
+                    sock.setblocking(False)
+                    sock.send(self._full_frame)
+                sock.close()
+                self._pause_accepting()  # a flood of connects costs at most one per pause
+                return
+            sock.setblocking(False)
+            self._admitting += 1
+            task = loop.create_task(self._connect(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, sock: socket.socket) -> None:
+        assert self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(lambda: _Connection(self), sock=sock)
+        except OSError:
+            sock.close()
+        finally:
+            self._admitting -= 1
+
+    def _room(self) -> bool:
+        """Whether a new connection may be held: under the cap, or taking the place of the one idle
+        longest among those that never asked (idle at least :attr:`AskLimits.idle_evict_s`), else
+        among those that did (at least :attr:`AskLimits.asked_idle_evict_s`): a flood of silent
+        connections gives way to engines, and an engine's connection survives the flood."""
+        if len(self._open) + self._admitting < self.limits.max_connections:
+            return True
+        assert self._loop is not None
+        now, victim = self._loop.time(), None
+        for asked, after in ((False, self.limits.idle_evict_s), (True, self.limits.asked_idle_evict_s)):
+            idle = [c for c in self._open if c.idle and c.asked is asked and now - c.last_active >= after]
+            victim = min(idle, key=lambda c: c.last_active, default=None)
+            if victim is not None:
+                break
+        if victim is None:
+            return False
+        self._count("evicted", "an idle connection makes room for a new one")
+        assert victim.transport is not None
+        victim.transport.close()
+        self._open.discard(victim)
+        return True
+
+    def _pause_accepting(self) -> None:
+        loop, listener = self._loop, self._listener
+        if self._accept_paused or loop is None or listener is None or self._closing:
+            return
+        self._accept_paused = True
+        loop.remove_reader(listener.fileno())
+        loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._accept_paused = False
+        if not self._closing and self._listener is not None and self._loop is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _opened(self, conn: _Connection) -> None:
         self._open.add(conn)
         METRICS.index_ask_connections.set(len(self._open))
 
@@ -439,7 +541,7 @@ class IndexSidecar:
     def _lookup(self, request_id: int, scope: IdentityScope, keys: bytes) -> Answer:
         try:
             return answer_of(request_id, self.replica.lookup(scope, keys))
-        except Exception as exc:  # noqa: BLE001 - an answer, and the engine recomputes
+        except Exception as exc:
             self.errors += 1
             log.exception("index sidecar: a lookup failed")
             return Answer(VERSION, request_id, f"lookup failed: {type(exc).__name__}")

@@ -59,7 +59,8 @@ class _Metrics:
                            ["service"], registry=registry)
         self.ready = Gauge("nexuskv_service_ready", "1 while every readiness condition of the service holds",
                            ["service"], registry=registry)
-        # reason: connections, frame_deadline, frame_size, malformed, too_many_keys, bad_scope, bulk_busy.
+        # reason: connections, frame_deadline, frame_size, malformed, too_many_keys, bad_scope, bulk_busy,
+        # evicted (an idle connection closed for a new one), accept_failed.
         self.index_ask_refusals = Counter("nexuskv_index_ask_refusals",
                                           "engine asks and connections the node's index sidecar refused, by reason",
                                           ["reason"], registry=registry)

@@ -130,6 +130,7 @@ def test_the_service_bounds_hostile_clients_while_an_engine_keeps_asking(kafka_u
     import urllib.request
 
     from nexuskv.contracts.lookup_wire import OP_LOOKUP, VERSION, Ask, encode_ask, wire_scope
+
     from tests.sidecar import start_sidecar
 
     asyncio.run(topics_default(kafka_url))

@@ -181,7 +181,7 @@ def test_a_large_ask_is_answered_on_the_bulk_thread_and_holds_no_small_one(sock_
         server.stop()
 
 
-def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answered(sock_path):
+def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answered(sock_path, caplog):
     server = _serve(sock_path, frame_deadline_s=0.3)
     before = _refused("frame_deadline")
     try:
@@ -198,6 +198,8 @@ def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answe
             s.close()
         assert 0.2 < time.perf_counter() - t0 < 2.0
         assert _refused("frame_deadline") - before == 5 and server.sidecar.refusals == {"frame_deadline": 5}
+        logged = [r for r in caplog.records if "refused (frame_deadline)" in r.getMessage()]
+        assert len(logged) == 1  # every refusal counted, one line per reason per 10 s: no log flood
         # A connection that finishes each frame in time is never closed, however long it lives.
         for i in range(3):
             time.sleep(0.2)
@@ -207,7 +209,7 @@ def test_a_frame_not_finished_in_time_closes_its_connection_and_others_are_answe
         server.stop()
 
 
-def test_connections_are_capped_and_the_one_idle_longest_gives_way(sock_path):
+def test_connections_are_capped_and_a_silent_idle_one_gives_way_never_an_engines(sock_path):
     server = _serve(sock_path, max_connections=3, idle_evict_s=0.3)
     before = _refused("connections")
     try:
@@ -227,11 +229,54 @@ def test_connections_are_capped_and_the_one_idle_longest_gives_way(sock_path):
         assert _read_answer(held[1]).id == 7 and _read_answer(held[2]).id == 8
         client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
         assert client.lookup(SCOPE, bytes(16 * 2)).matches  # takes held[0]'s place
-        assert held[0].recv(10) == b""
+        assert held[0].recv(10) == b""  # it never asked: it gave way
         assert server.sidecar.refusals == {"connections": 1, "evicted": 1}
         assert server.on_ask_loop(lambda: len(server.sidecar._open)) == 3
-        for s in held[1:] + [extra]:
+        # Every connection held has asked (engines'): idle 0.4 s, none gives way to a silent newcomer.
+        time.sleep(0.4)
+        late = _connect(sock_path)
+        assert _read_answer(late).error.startswith("connections")
+        assert client.lookup(SCOPE, bytes(16 * 2)).matches and client.stats["connects"] == 1
+        assert server.sidecar.refusals == {"connections": 2, "evicted": 1}
+        for s in held[1:] + [extra, late]:
             s.close()
+    finally:
+        server.stop()
+
+
+def test_a_flood_of_reconnects_costs_one_refusal_per_accept_pause(sock_path):
+    server = _serve(sock_path, max_connections=2)
+    try:
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
+        assert client.lookup(SCOPE, bytes(16 * 2)).matches
+        held = _connect(sock_path)
+        stop = time.monotonic() + 1.0
+        tries = [0]
+
+        def flood() -> None:
+            while time.monotonic() < stop:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(0.2)
+                try:
+                    s.connect(str(sock_path))
+                    tries[0] += 1
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+
+        threads = [threading.Thread(target=flood) for _ in range(4)]
+        for t in threads:
+            t.start()
+        answered = 0
+        while time.monotonic() < stop:
+            answered += bool(client.lookup(SCOPE, bytes(16 * 2)).matches)
+        for t in threads:
+            t.join()
+        refused = server.sidecar.refusals.get("connections", 0)
+        assert tries[0] > 100 and 1 <= refused <= 1.0 / 0.05 * 1.5 + 2, (tries, refused)
+        assert answered > 10 and client.stats["answered"] == answered + 1 and client.stats["timeouts"] == 0
+        held.close()
     finally:
         server.stop()
 
@@ -335,3 +380,21 @@ def test_the_limits_come_from_the_settings_and_a_bad_one_names_its_variable():
     with pytest.raises(ValueError, match="max_keys"):
         IndexClient("/tmp/x.sock", max_keys=0)
     assert pack_keys(bytes(32)) == bytes(32)
+
+
+def test_a_cancelled_server_task_still_closes_the_sidecar_cleanly(sock_path):
+    async def main() -> None:
+        sidecar = IndexSidecar(SlowReplica(), sock_path)
+        await sidecar.start()
+        task = asyncio.create_task(sidecar.serve_forever())  # as a supervisor's stop cancels it
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sidecar.close()
+        assert sidecar._thread is not None
+        sidecar._thread.join(5)
+        assert not sidecar._thread.is_alive() and not sock_path.exists()
+        assert not sidecar._ended.cancelled() and sidecar._ended.exception() is None
+
+    asyncio.run(main())
