@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,9 +44,16 @@ def _one(out: Path, requests: int, warmup: int, trace_to: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NEXUSKV_OTLP_ENDPOINT"}
     if trace_to is not None:
         cmd += ["--trace-to", trace_to]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"replay failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    for attempt in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
+        if done.returncode == 0:
+            break
+        # The replay picks free ports before its engines bind them; on a shared machine another
+        # process can take one in between ("Address already in use"): that run starts again, once.
+        print(f"replay failed ({done.returncode}), attempt {attempt + 1}:\n{done.stdout[-1500:]}", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        raise SystemExit(f"replay failed twice:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     with duckdb.connect(str(out / "decisions.duckdb"), read_only=True) as con:
         fig = replay_figures(con)
         assert fig is not None
