@@ -88,7 +88,7 @@ def main() -> None:
                 time.sleep(2)
             runs.append(Run(pair[True]["mean_ttft_s"], pair[False]["mean_ttft_s"]))
             print(f"-- pair {i + 1}/{args.pairs}: traced / untraced mean TTFT {runs[-1].ratio:.3f}", flush=True)
-        spans = sum(len(t.get("spans", ())) for t in jaeger.traces("nexuskv-replay", limit=10000))
+        spans = sum(len(t.get("spans", ())) for t in jaeger.endpoints.traces("nexuskv-replay", limit=10000))
     command = f"python -m benchmarks.bench_trace_overhead --pairs {args.pairs} --requests {args.requests} " \
               f"--warmup {args.warmup}"
     details = {"runs": rows, "trace": TRACE.name, "spans_in_jaeger_for_the_replay_traces": spans,
