@@ -7,7 +7,9 @@ event bridges, index, planner (routing included) and tiers
 (:mod:`~streams.app.replay.nexuskv_run`). Both runs land in one decision store, each request with
 its run (``replay_requests``), NexusKV's decisions beside them, so the observed Effective Gain of a
 request is its baseline TTFT minus its NexusKV TTFT (``replay_comparison``); the report
-(:mod:`~streams.app.replay.report`) prints both runs' figures and plots them.
+(:mod:`~streams.app.replay.report`) prints both runs' figures and plots them. With ``--trace-to``
+every request of both runs is one OpenTelemetry trace, vLLM's own request span included
+(:mod:`~streams.app.replay.tracing`), and the report names the traces to open first.
 
 The engines are vLLM's CPU build serving a random Llama written locally
 (:mod:`streams.app.tiny_model`) unless ``--model DIR`` names one. ``--engine reference``

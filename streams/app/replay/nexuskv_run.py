@@ -12,6 +12,9 @@ What runs, all started here and stopped at the end:
   ``python -m streams.bridge`` forwarding those events to ``nexuskv.kv-events``;
 * routing: each request's canonical keys and the engines' queues go to the planner as a plan
   request; the request goes where the decision says (:class:`~streams.app.replay.routing.PlannerRouter`).
+* tracing, with ``config.trace_to``: the services export to it (``NEXUSKV_OTLP_ENDPOINT``), the
+  engines too (``--otlp-traces-endpoint``), and the router's spans are this process's
+  (:mod:`~streams.app.replay.tracing`).
 
 The model's State Descriptor comes from its ``config.json`` (:func:`nexuskv.hf_config.descriptor_from_hf_config`,
 what ``nexuskv descriptor`` writes for the bridges and what the connector derives inside vLLM), so
