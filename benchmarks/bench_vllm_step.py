@@ -16,7 +16,12 @@ Each run sends both engines the same ``--requests`` fresh prompts of ``--prompt-
 (new token ids every run: nothing is in any cache, nothing to load; every full block is new and
 saved) with ``--max-tokens`` greedy tokens, and times every ``LLMEngine.step()`` until all are done.
 The figure is the run's total step time divided by its steps (ms per step), ours against the
-baseline in the same run; the arms alternate which goes first. After each run the connector's
+baseline in the same run; a third arm, the same connector saving nothing (``save_tier`` none),
+isolates the saves from the ask (``details.against_connector_saving_nothing``); the arms take
+turns going first and start in ``--start-order``. The worker side also times what the saves
+cost the step thread itself (``wait_for_save``: the batched gathers and the enqueue;
+``details.save_on_step_thread_ms_per_step``), the part of the figure that does not depend on how
+the machine schedules the writer thread. After each run the connector's
 engine waits for its writer (not timed) and reports its counters: a run in which the connector
 dropped or failed to save a block is reported (``details.saves``), not hidden.
 
@@ -152,6 +157,7 @@ def main() -> int:
     ap.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines (default: one core, "
                     "the same for both: on a loaded 2-core machine two OpenMP threads wait on each other at every "
                     "barrier whenever another process takes one of the cores)")
+    ap.add_argument("--start-order", default="plain,quiet,ours", help="the order the engines start in")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (the engines' logs)")
     args = ap.parse_args()
@@ -193,12 +199,16 @@ def main() -> int:
             env = cpu_env(multiprocess=False, extra={"VLLM_CPU_OMP_THREADS_BIND": args.core,
                                                      "NEXUSKV_BROKER": str(broker.url),
                                                      "NEXUSKV_DATA_DIR": str(work / "data"), **sidecar.env})
-            ours = EngineProcess({**base_spec, "kv_transfer_config": connector}, env, work / "ours.log")
-            engines.append(ours)
-            plain = EngineProcess(base_spec, env, work / "plain.log")
-            engines.append(plain)
-            quiet = EngineProcess({**base_spec, "kv_transfer_config": _no_saves(connector)}, env, work / "nosave.log")
-            engines.append(quiet)
+            # Started in turn (the start order must not favour an arm: --start-order)
+            starts = {"ours": lambda: EngineProcess({**base_spec, "kv_transfer_config": connector}, env, work / "ours.log"),
+                      "plain": lambda: EngineProcess(base_spec, env, work / "plain.log"),
+                      "quiet": lambda: EngineProcess({**base_spec, "kv_transfer_config": _no_saves(connector)}, env,
+                                                     work / "nosave.log")}
+            made = {}
+            for name in args.start_order.split(","):
+                made[name] = starts[name]()
+                engines.append(made[name])
+            ours, plain, quiet = made["ours"], made["plain"], made["quiet"]
             rng = random.Random(7)
             warm = _prompts(rng, args.requests, args.prompt_tokens)
             before = ours.run("warm", warm, args.max_tokens)["connector"] or {}  # compile, caches, pages
@@ -223,8 +233,11 @@ def main() -> int:
                 before = total
                 per_run.append({"ours_steps_s": got["ours"]["steps"], "plain_steps_s": got["plain"]["steps"],
                                 "no_saves_steps_s": got["quiet"]["steps"], "connector": stats})
+                on_thread = 1e3 * stats.get("save_step_s", 0.0) / len(got["ours"]["steps"])
+                per_run[-1]["save_on_step_thread_ms_per_step"] = on_thread
                 print(f"{i:>4}{o:>14.2f}{p:>15.2f}{o / p:>8.3f}{q:>18.2f}{o / q:>13.3f}{len(got['ours']['steps']):>7}"
                       f"{stats.get('blocks_saved', 0):>7}{stats.get('blocks_dropped', 0):>9}", flush=True)
+                print(f"      saves on the step thread: {on_thread:.2f} ms/step")
                 print("      steps ms, ours:  " + " ".join(f"{1e3 * x:.1f}" for x in got["ours"]["steps"]))
                 print("      steps ms, plain: " + " ".join(f"{1e3 * x:.1f}" for x in got["plain"]["steps"]))
                 print("      steps ms, no-saves: " + " ".join(f"{1e3 * x:.1f}" for x in got["quiet"]["steps"]))
@@ -259,6 +272,11 @@ def main() -> int:
                  "full_blocks_per_run": full_blocks, "loadavg_at_start": load, "cores": os.cpu_count(),
                  "saves": [{"saved": r["connector"].get("blocks_saved"), "dropped": r["connector"].get("blocks_dropped"),
                             "already_held": r["connector"].get("blocks_already_held")} for r in per_run],
+                 "save_on_step_thread_ms_per_step": sorted(r["save_on_step_thread_ms_per_step"] for r in per_run)[
+                     len(per_run) // 2],
+                 "save_on_step_thread_share_of_ours_step": sorted(
+                     r["save_on_step_thread_ms_per_step"] / (1e3 * sum(r["ours_steps_s"]) / len(r["ours_steps_s"]))
+                     for r in per_run)[len(per_run) // 2],
                  "against_connector_saving_nothing": {
                      "what": "the same connector with save_tier none (asks the sidecar, saves nothing), same prompts",
                      "runs": [{"value": r.value, "baseline": r.baseline, "ratio": r.ratio} for r in quiet_runs],
