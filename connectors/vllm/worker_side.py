@@ -472,10 +472,11 @@ class WorkerSide:
             return
         try:
             gathered = self._kv.gather(spec.block_ids)
-        except BaseException:
+        except Exception as exc:  # noqa: BLE001 - a save that cannot be copied is a later miss, not a dead engine
             with self._save_cv:
                 self._queued_bytes -= nbytes
-            raise
+            self._dropped(spec, f"copying it out failed: {type(exc).__name__}: {exc}")
+            return
         with self._save_cv:
             self._saves.append((spec, gathered))
             self.stats["saves_queued"] += 1
