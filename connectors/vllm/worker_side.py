@@ -272,7 +272,7 @@ class WorkerSide:
         self.stats = {"blocks_loaded": 0, "blocks_failed": 0, "blocks_saved": 0, "blocks_already_held": 0,
                       "blocks_unchained": 0, "blocks_refused": 0, "bytes_loaded": 0, "bytes_saved": 0,
                       "prefill_timings": 0, "saves_queued": 0, "saves_dropped": 0, "blocks_dropped": 0,
-                      "loads_unwaited": 0}
+                      "loads_unwaited": 0, "save_step_s": 0.0}
 
     # -- registration --------------------------------------------------------------------------
 
@@ -455,10 +455,12 @@ class WorkerSide:
             self._step_started = None
             work = meta.prefills[0]
             self._timed_prefill(work.request_id, PrefillTiming(work.uncached, work.context, elapsed))
-        for spec in meta.saves:
-            if spec.block_ids:
-                self._enqueue_save(spec)
-
+        if meta.saves:
+            t0 = self.clock()
+            for spec in meta.saves:
+                if spec.block_ids:
+                    self._enqueue_save(spec)
+            self.stats["save_step_s"] += self.clock() - t0  # what the saves cost the step thread
     def _enqueue_save(self, spec: SaveSpec) -> None:
         nbytes = len(spec.block_ids) * self._block_bytes
         with self._save_cv:
@@ -470,10 +472,11 @@ class WorkerSide:
             return
         try:
             gathered = self._kv.gather(spec.block_ids)
-        except BaseException:
+        except Exception as exc:  # noqa: BLE001 - a save that cannot be copied is a later miss, not a dead engine
             with self._save_cv:
                 self._queued_bytes -= nbytes
-            raise
+            self._dropped(spec, f"copying it out failed: {type(exc).__name__}: {exc}")
+            return
         with self._save_cv:
             self._saves.append((spec, gathered))
             self.stats["saves_queued"] += 1

@@ -38,6 +38,11 @@ from nexuskv.dataplane.backend import BufferPool
 
 __all__ = ["PagedLayer", "PagedKV", "Gathered", "Scatter"]
 
+#: Every buffer is made and written outside inference mode: vLLM runs its step under
+#: ``torch.inference_mode()``, and a pool buffer first allocated there would be an inference
+#: tensor that a worker thread (not in inference mode) may not write into when it reuses it.
+_normal = torch.inference_mode(False)
+
 
 @dataclass(frozen=True, slots=True)
 class PagedLayer:
@@ -100,6 +105,7 @@ class PagedKV:
 
     # -- saves --------------------------------------------------------------------------------
 
+    @_normal
     def gather(self, block_ids: Sequence[int]) -> Gathered:
         """Copy blocks ``block_ids`` out of every layer into one layer-major host buffer.
 
@@ -133,10 +139,12 @@ class PagedKV:
 
     # -- loads --------------------------------------------------------------------------------
 
+    @_normal
     def staging(self, n: int) -> torch.Tensor:
         """A block-major host buffer of ``n`` payloads (``(n, block_bytes)``: read one payload per row)."""
         return torch.empty((n, self.block_bytes), dtype=torch.uint8)
 
+    @_normal
     def scatter(self, payloads: torch.Tensor, block_ids: Sequence[int]) -> Scatter:
         """Blocks ``block_ids`` to put in place from ``payloads`` (``(n, block_bytes)``, verified).
 
@@ -175,6 +183,7 @@ class Gathered:
         """True once the copy has completed (always, without CUDA)."""
         return self._done is None or self._done.query()
 
+    @_normal
     def payloads(self) -> torch.Tensor:
         """The blocks' payloads, block-major (``(n, block_bytes)``, one contiguous row per block), in
         host memory of their own; waits for the copy first (an event, not the whole device)."""
@@ -233,6 +242,7 @@ class Scatter:
         layer.tensor.index_copy_(layer.block_dim, ids, layer.shaped(src, n))
         self._put[index] = True
 
+    @_normal
     def put(self, index: int | None = None) -> None:
         """Put layer ``index`` in place (None: every layer not put yet).
 

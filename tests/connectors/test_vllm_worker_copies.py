@@ -207,3 +207,16 @@ def test_a_load_whose_layers_were_never_waited_for_is_a_load_error(rig):
     assert r.worker.stats["loads_unwaited"] == 1 and r.worker.stats["blocks_loaded"] == 0
     assert r.worker.stats["blocks_failed"] == 6
     assert r.publisher.stats["removed"] == 0  # the payloads are fine: nothing is withdrawn
+
+
+def test_a_save_that_cannot_be_copied_out_is_dropped_not_raised_into_the_step(rig, monkeypatch):
+    r = rig()
+    meta = r.computed("r1", PROMPT)
+
+    def broken(block_ids):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(r.worker._kv, "gather", broken)
+    r.worker.wait_for_save(meta)
+    assert r.worker.stats["saves_dropped"] == 1 and r.worker.stats["blocks_dropped"] == 6
+    assert r.worker.pending_saves() == 0 and not r.worker.busy()
+    assert r.announced(PROMPT) == [False] * 6

@@ -133,3 +133,28 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="at least one layer"):
         PagedKV([])
     assert kv.layer_index("l1") == 1 and kv.layer_index("nope") is None
+
+
+def test_buffers_made_in_inference_mode_are_reusable_by_a_thread_outside_it():
+    """vLLM steps under ``torch.inference_mode()``; the loaders and the writer run on other threads."""
+    import threading
+
+    tensors, dims = CASES["cpu"]()
+    pool = BufferPool(pin=False, max_bytes=1 << 20)
+    kv = PagedKV(_layers(tensors, dims), pool=pool)
+    with torch.inference_mode():
+        gathered = kv.gather([0, 1, 2])  # the step thread: a fresh pool buffer
+    payloads = gathered.payloads()
+    gathered.release()
+    errors: list[BaseException] = []
+
+    def load() -> None:  # a loader thread reuses that buffer for a scatter
+        try:
+            kv.scatter(payloads, [3, 4, 5]).put()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+    assert errors == []
+    assert torch.equal(tensors["l0"][3:6], tensors["l0"][0:3])
