@@ -56,7 +56,7 @@ from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.tier_offers import TierOffer
 from nexuskv.contracts.tier_state import TierStateRecord
-from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT, TIER_OFFERS, TIER_STATE, TRANSFER_RESULTS, TRANSFERS
+from nexuskv.contracts.topics import PLACEMENT, TIER_OFFERS, TIER_STATE, TRANSFER_RESULTS, TRANSFERS
 from nexuskv.contracts.transfers import TransferCommand, TransferResult
 from nexuskv.cost import CostModel
 from nexuskv.dataplane.backend import TierBackend
@@ -85,6 +85,7 @@ from streams.bus.clients import (
 )
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
+from streams.bus.outbox import EventOutbox
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
 
@@ -338,28 +339,18 @@ class RemoteTierBus:
         self.ready = asyncio.Event()
         self.offers = 0
         self.rejected = 0
-        self.batches_sent = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[KeyedBatch] | None = None
-        self._early: list[KeyedBatch] = []
-        self._early_lock = threading.Lock()
+        self.outbox = EventOutbox()  # the tier facts' batches, from the ledger's threads
 
     def publish_batch(self, batch: KeyedBatch) -> None:
         """Queue one batch of the owner's publisher (any thread); sent in order by one task."""
-        loop, box = self._loop, self._outbox
-        if loop is None or box is None:
-            with self._early_lock:
-                self._early.append(batch)
-            return
-        loop.call_soon_threadsafe(box.put_nowait, batch)
+        self.outbox.put(batch)
+
+    @property
+    def batches_sent(self) -> int:
+        return self.outbox.sent
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._outbox = asyncio.Queue()
-        with self._early_lock:
-            for b in self._early:
-                self._outbox.put_nowait(b)
-            self._early.clear()
+        self.outbox.bind()
         client = f"{SERVICE}-{uuid.uuid4().hex[:6]}"
         producer = make_producer(self.url, client_id=client)
         await producer.start()
@@ -370,7 +361,7 @@ class RemoteTierBus:
         await offers.start()
         await signals.start()
         supervisor = Supervisor(SERVICE)
-        supervisor.spawn(self._send_events(producer), name=f"{client}-events")
+        supervisor.spawn(self.outbox.run(producer), name=f"{client}-events")
         supervisor.spawn(self._states(producer), name=f"{client}-state")
         supervisor.spawn(self._offers(offers, producer), name=f"{client}-offers")
         supervisor.spawn(self._signals(signals, producer), name=f"{client}-signals")
@@ -448,24 +439,9 @@ class RemoteTierBus:
                     elif isinstance(value, TransferResult):
                         self.owner.result(value)
 
-    async def _send_events(self, producer: AIOKafkaProducer) -> None:
-        box = self._outbox
-        assert box is not None
-        while True:
-            batch = await box.get()
-            await send(producer, KV_EVENTS, batch.publisher, batch)
-            self.batches_sent += 1
-
     async def _drain(self, producer: AIOKafkaProducer) -> None:
-        box = self._outbox
-        if box is None:
-            return
         await asyncio.to_thread(self.owner.facts.flush)
-        while not box.empty():
-            batch = box.get_nowait()
-            with contextlib.suppress(Exception):
-                await send(producer, KV_EVENTS, batch.publisher, batch)
-                self.batches_sent += 1
+        await self.outbox.drain(producer)
 
     async def _states(self, producer: AIOKafkaProducer) -> None:
         last_sweep = 0.0

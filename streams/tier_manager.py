@@ -39,7 +39,6 @@ import contextlib
 import json
 import logging
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -53,7 +52,7 @@ from nexuskv.config import BrokerUrl, Settings
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.tier_state import TierStateRecord
-from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT, TIER_STATE
+from nexuskv.contracts.topics import PLACEMENT, TIER_STATE
 from nexuskv.cost import CostModel, page_bytes_of
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.payload import PayloadKey
@@ -75,6 +74,7 @@ from streams.bus.clients import (
 )
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
+from streams.bus.outbox import EventOutbox
 from streams.bus.topic_keys import route
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
@@ -245,28 +245,18 @@ class TierBus:
         self.ready = asyncio.Event()
         self.hints = 0
         self.rejected = 0
-        self.batches_sent = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[KeyedBatch] | None = None
-        self._early: list[KeyedBatch] = []
-        self._early_lock = threading.Lock()
+        self.outbox = EventOutbox()  # the tier facts' batches, from the ledger's threads
 
     def publish_batch(self, batch: KeyedBatch) -> None:
         """Queue one batch of the manager's publisher (any thread)."""
-        loop, box = self._loop, self._outbox
-        if loop is None or box is None:
-            with self._early_lock:
-                self._early.append(batch)
-            return
-        loop.call_soon_threadsafe(box.put_nowait, batch)
+        self.outbox.put(batch)
+
+    @property
+    def batches_sent(self) -> int:
+        return self.outbox.sent
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._outbox = asyncio.Queue()
-        with self._early_lock:
-            for b in self._early:
-                self._outbox.put_nowait(b)
-            self._early.clear()
+        self.outbox.bind()
         client = f"{SERVICE}-{self.worker}-{uuid.uuid4().hex[:6]}"
         producer = make_producer(self.url, client_id=client)
         await producer.start()
@@ -274,7 +264,7 @@ class TierBus:
                                  auto_offset_reset="latest")
         await consumer.start()
         supervisor = Supervisor(SERVICE, heartbeat=self.heartbeat)
-        supervisor.spawn(self._send_events(producer), name=f"{client}-events")
+        supervisor.spawn(self.outbox.run(producer), name=f"{client}-events")
         supervisor.spawn(self._states(producer), name=f"{client}-state")
         supervisor.spawn(self._hints(consumer, producer), name=f"{client}-hints")
         try:
@@ -324,24 +314,9 @@ class TierBus:
             self.hints += 1
             log.debug("hint %s: %s", hint.hint_id, done)
 
-    async def _send_events(self, producer: AIOKafkaProducer) -> None:
-        box = self._outbox
-        assert box is not None
-        while True:
-            batch = await box.get()
-            await send(producer, KV_EVENTS, batch.publisher, batch)
-            self.batches_sent += 1
-
     async def _drain(self, producer: AIOKafkaProducer) -> None:
-        box = self._outbox
-        if box is None:
-            return
         await asyncio.to_thread(self.manager.flush)
-        while not box.empty():
-            batch = box.get_nowait()
-            with contextlib.suppress(Exception):
-                await send(producer, KV_EVENTS, batch.publisher, batch)
-                self.batches_sent += 1
+        await self.outbox.drain(producer)
 
     async def _states(self, producer: AIOKafkaProducer) -> None:
         while True:
