@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -456,13 +457,20 @@ async def _serve(args: argparse.Namespace, url: BrokerUrl, settings: Settings) -
     bridge = EventBridge(config)
     subscriber = KvEventSubscriber(args.endpoint, replay_endpoint=args.replay_endpoint, topic_prefix=args.topic,
                                    bind=args.bind, resume=bridge.resume_points())
-    # The idempotent producer on a configured Kafka; the embedded Tansu broker rejects it (streams.bus.broker).
-    idempotent = bool(settings.broker)
-    if not idempotent:
-        log.warning("embedded broker: the producer is not idempotent (a retried request may be written twice)")
-    producer = make_producer(url, client_id=f"kv-bridge-{args.name}", enable_idempotence=idempotent)
+    # The idempotent producer wherever the broker grants a producer id (Apache Kafka); a broker that
+    # refuses one (the embedded Tansu broker, also when it is the configured NEXUSKV_BROKER of a
+    # replay) gets the plain producer, said once: a retried request may then be written twice.
+    producer = make_producer(url, client_id=f"kv-bridge-{args.name}", enable_idempotence=True)
     stop = stop_on_signals()
-    await producer.start()
+    try:
+        await producer.start()
+    except Exception as exc:  # noqa: BLE001 - aiokafka raises the broker's error class for InitProducerId
+        log.warning("the broker refused an idempotent producer (%s: %s); the producer is not idempotent "
+                    "(a retried request may be written twice)", type(exc).__name__, exc)
+        with contextlib.suppress(Exception):
+            await producer.stop()
+        producer = make_producer(url, client_id=f"kv-bridge-{args.name}", enable_idempotence=False)
+        await producer.start()
     log.info("bridge ready: %s events from %s to %s, resuming at %s, %d records in flight", args.engine,
              args.endpoint, url, bridge.resume_points() or "the engine's next batch", config.window)
     try:
