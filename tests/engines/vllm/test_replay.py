@@ -29,7 +29,9 @@ from nexuskv.config import Settings
 from streams.app.replay.session import ReplayConfig, run_replay
 from streams.app.replay.workload import WorkloadShape
 
-pytestmark = [pytest.mark.vllm, pytest.mark.tansu, pytest.mark.slow]
+# Two engines per run under two busy loops on two cores: 130 s on a quiet machine, over 300 s on a loaded
+# CI machine (stop 27's run), so it gets its own limit.
+pytestmark = [pytest.mark.vllm, pytest.mark.tansu, pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONVERSATIONS, TURNS = 6, 3
 SYSTEM = 8  # trace blocks of the shared system prompt (32 tokens each)
