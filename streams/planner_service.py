@@ -11,8 +11,10 @@ keyed — goes to ``nexuskv.dead-letter`` with the reason.
 
 Signed control records: under a bus secret the hints and commands it sends are signed as
 ``planner/<service>`` (:class:`~streams.bus.clients.ControlSigner`), and a transfer result is acted
-on only when an executor signed it and it was not taken before; any other (unsigned, forged,
-from a planner or an engine, replayed) is dead-lettered with the reason and changes nothing
+on only when the executor of its destination worker signed it (``executor/<worker>``: another
+worker's executor never ran it), it was not taken before, and it matches the command's request,
+source and destination; any other (unsigned, forged, from a planner, an engine or another worker's
+executor, replayed, mismatched) is dead-lettered with the reason and changes nothing
 (:func:`~streams.bus.clients.check_control`, counted on ``nexuskv_records_refused``).
 
 Prices: a replica of ``nexuskv.tier-state`` (:class:`streams.tier_prices.TierPriceReplica`) gives
@@ -74,7 +76,7 @@ from nexuskv.contracts.topics import (
     TRANSFER_RESULTS,
 )
 from nexuskv.cost import CostModel
-from nexuskv.errors import BrokerError, NexusKVError
+from nexuskv.errors import BrokerError, ContractError, NexusKVError
 from nexuskv.lookup import IndexView, LookupResult
 from nexuskv.models import DescriptorRegistry
 from nexuskv.planner.core import Outgoing, PlannerCore
@@ -108,6 +110,8 @@ __all__ = ["SERVICE", "PlannerService", "main"]
 
 SERVICE = "nexuskv-planner"
 log = logging.getLogger(__name__)
+# The core's own refusals of a signed result (PlannerCore.on_result), counted beside check_control's.
+_CORE_REFUSALS = ("not_owner:", "mismatch:")
 
 
 def _traced_match(lookup: Callable[[], LookupResult]) -> LookupResult:
@@ -265,13 +269,17 @@ class PlannerService:
                             if rec.topic == PLAN_REQUESTS.name:
                                 produced = self.core.on_request(rec.value, now=now)
                             else:  # a result completes a transfer only if an executor signed it, once
-                                check_control(self.verifier, TRANSFER_RESULTS, rec, now=now, service=self.service)
-                                produced = self.core.on_result(rec.value, now=now)
+                                env = check_control(self.verifier, TRANSFER_RESULTS, rec, now=now,
+                                                    service=self.service)
+                                produced = self.core.on_result(rec.value, now=now,
+                                                               producer=env.producer if env else None)
                             _record_decisions(span, produced)
                             headers = tuple(carrier_headers())
                             out.extend(dataclasses.replace(o, headers=headers) for o in produced)
                     except Exception as exc:  # noqa: BLE001 - bad input (or a bug) must not stop the service
                         self.rejected += 1
+                        if isinstance(exc, ContractError) and str(exc).startswith(_CORE_REFUSALS):
+                            METRICS.records_refused.labels(self.service, rec.topic, str(exc).partition(":")[0]).inc()
                         if isinstance(exc, NexusKVError):
                             log.warning("%s: rejected %s@%d/%d: %s", self.service, rec.topic, rec.partition,
                                         rec.offset, exc)

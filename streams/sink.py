@@ -7,6 +7,15 @@ has passed — then, and only then, are the offsets committed. A crash re-delive
 unflushed tail, and the store's primary keys (request id, transfer id, topic/partition/offset)
 drop the duplicates. Malformed records go to ``nexuskv.dead-letter`` with the reason.
 
+Transfer results are control records: under a bus secret (or ``NEXUSKV_PUBLISHER_KEYS``) one is
+written only when it is signed by the executor of its destination worker (``executor/<worker>``),
+so the store's transfer outcomes, which Effective Gain analysis joins to decisions, are the
+executors' own. An unsigned, forged, planner- or engine-signed result, or one signed by another
+worker's executor, is dead-lettered with the reason and written nowhere. The sink checks the
+signature and the producer only, not the replay window: it acts on nothing, a replayed result is
+dropped by the transfer id's key, and a sink catching up after downtime must still record the
+results it finds older than the window.
+
 DuckDB I/O never runs on the event loop (``stack.md`` §1.8: a blocked loop stalls heartbeats):
 flushes run in a worker thread. Dead letters are sent in batches and acknowledged before the
 offsets past their records are committed. A broker outage is waited out; a failure (DuckDB) ends
@@ -30,11 +39,12 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from analytics.store import DecisionStore
 from nexuskv.config import BrokerUrl, Settings
+from nexuskv.contracts.control_signature import ControlVerifier
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.observations import ObservationRecord
 from nexuskv.contracts.topics import DECISIONS, OBSERVATIONS, TRANSFER_RESULTS, Topic
-from nexuskv.contracts.transfers import TransferResult
-from nexuskv.errors import NexusKVError
+from nexuskv.contracts.transfers import TransferResult, executor_of
+from nexuskv.errors import NexusKVError, UnauthenticatedError
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
 from streams.bus.tracing import span_from_record
@@ -62,8 +72,13 @@ class DecisionSink:
 
     def __init__(self, url: BrokerUrl, store: DecisionStore, *, group_id: str = "nexuskv-decision-sink",
                  batch_records: int = 5000, flush_interval_s: float = 0.5, snapshot_path: Path | None = None,
-                 snapshot_interval_s: float = 30.0) -> None:
+                 snapshot_interval_s: float = 30.0, verifier: ControlVerifier | None = None,
+                 clock=time.time) -> None:
+        from streams.bus.clients import control_verifier
+
         self.url = url
+        self.verifier = verifier if verifier is not None else control_verifier(Settings.from_env())
+        self.clock = clock
         self.store = store
         self.group_id = group_id
         self.batch_records = batch_records
@@ -118,7 +133,7 @@ class DecisionSink:
             await producer.stop()
 
     async def _take(self, record: ConsumerRecord) -> None:
-        from streams.bus.clients import dead_letter_for, decode_record
+        from streams.bus.clients import check_control, dead_letter_for, decode_record
 
         self.stats.consumed += 1
         topic = _TOPICS[record.topic]
@@ -126,11 +141,20 @@ class DecisionSink:
             with span_from_record("decision-sink", "record." + record.topic.removeprefix("nexuskv."),
                                   record.headers, {"kafka.partition": record.partition,
                                                    "kafka.offset": record.offset}):
+                if topic is TRANSFER_RESULTS:
+                    env = check_control(self.verifier, topic, record, now=self.clock(), service="decision-sink",
+                                        admit=False)
                 value = decode_record(topic, record)
+                if topic is TRANSFER_RESULTS and env is not None:
+                    owner = executor_of(value.destination.worker)
+                    if env.producer != owner:
+                        METRICS.records_refused.labels("decision-sink", record.topic, "not_owner").inc()
+                        raise UnauthenticatedError(f"not_owner: {env.producer[:80]!r} reports a transfer to worker "
+                                                   f"{value.destination.worker!r}; only {owner!r} may")
         except NexusKVError as exc:
             METRICS.events_rejected.labels("decision-sink", record.topic).inc()
             assert self._letters is not None
-            await self._letters.put(dead_letter_for(record.topic, record, exc, service="decision-sink", now=time.time()))
+            await self._letters.put(dead_letter_for(record.topic, record, exc, service="decision-sink", now=self.clock()))
             self.stats.dead_lettered += 1
             return
         if isinstance(value, Decision):

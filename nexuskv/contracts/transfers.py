@@ -17,7 +17,8 @@ from pydantic import Field, model_validator
 from nexuskv.contract import Contract, Key128
 from nexuskv.entries import EntryLocation
 
-__all__ = ["SCHEMA_VERSION", "TransferKind", "TransferStatus", "TransferCommand", "TransferResult"]
+__all__ = ["SCHEMA_VERSION", "TransferKind", "TransferStatus", "TransferCommand", "TransferResult", "executor_of",
+           "result_mismatch"]
 
 SCHEMA_VERSION = 1
 Text = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -93,3 +94,20 @@ class TransferResult(Contract):
         if self.status is not TransferStatus.COMPLETED and not self.error:
             raise ValueError("error: every non-completed outcome says why")
         return self
+
+
+def executor_of(worker: str) -> str:
+    """The control producer of ``worker``'s transfer executor: the only producer whose results about a
+    transfer to ``worker`` count (it runs only the commands keyed to its own worker)."""
+    return f"executor/{worker}"
+
+
+def result_mismatch(command: TransferCommand, result: TransferResult) -> str | None:
+    """Why ``result`` cannot be the outcome of ``command`` although it names its transfer id (None: it
+    can): another request, source or destination. A result is taken only for the transfer it reports."""
+    for field in ("request_id", "source", "destination"):
+        ours, theirs = getattr(command, field), getattr(result, field)
+        if ours != theirs:
+            return (f"{field}: the result of transfer {command.transfer_id[:80]!r} names {str(theirs)[:120]!r}, "
+                    f"the command {str(ours)[:120]!r}")
+    return None

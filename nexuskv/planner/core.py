@@ -21,9 +21,9 @@ from nexuskv.contract import Contract
 from nexuskv.contracts import codec
 from nexuskv.contracts.plans import PlanRequest
 from nexuskv.contracts.topics import DECISIONS, PLACEMENT, PLAN_REQUESTS, TRANSFER_RESULTS, TRANSFERS, Topic
-from nexuskv.contracts.transfers import TransferResult
+from nexuskv.contracts.transfers import TransferResult, executor_of
 from nexuskv.cost import CostModel
-from nexuskv.errors import ContractError
+from nexuskv.errors import ContractError, UnauthenticatedError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import IndexView, LookupResult
 from nexuskv.models import DescriptorRegistry
@@ -158,8 +158,15 @@ class PlannerCore:
             log.debug("%s", explain(p.decision))
         return plan_records(p)
 
-    def on_result(self, raw: bytes, *, now: float) -> list[Outgoing]:
+    def on_result(self, raw: bytes, *, now: float, producer: str | None = None) -> list[Outgoing]:
+        """Records for one executor's result; raises NexusKVError for bad input. ``producer``: who signed
+        it (None where the deployment signs nothing). Only the destination worker's own executor may
+        report a transfer, and only as the command ordered it (its request, source and destination)."""
         result = cast(TransferResult, codec.decode(TRANSFER_RESULTS, raw))
+        if producer is not None and producer != executor_of(result.destination.worker):
+            raise UnauthenticatedError(f"not_owner: {producer[:80]!r} reports a transfer to worker "
+                                       f"{result.destination.worker!r}; only {executor_of(result.destination.worker)!r} may")
+        self.scheduler.check(result)
         self.dispatch.started(result.transfer_id, result.started_at)
         return effect_records(self.scheduler.complete(result, now=now), now=now)
 

@@ -36,8 +36,9 @@ from enum import StrEnum
 
 from nexuskv.contracts.decisions import Decision
 from nexuskv.contracts.placement import HintKind, PlacementHint
-from nexuskv.contracts.transfers import TransferCommand, TransferKind, TransferResult, TransferStatus
+from nexuskv.contracts.transfers import TransferCommand, TransferKind, TransferResult, TransferStatus, result_mismatch
 from nexuskv.descriptor import Tier
+from nexuskv.errors import ContractError
 from nexuskv.planner.plan import Plan
 from nexuskv.planner.query import Headroom
 from nexuskv.planner.records import fallback_decision
@@ -205,8 +206,18 @@ class PrefetchScheduler:
             self._pins[h.hint_id] = _Pin(h.tenant_namespace, h.bytes, until, h.transfer_id, h)
             self._pin(h.tenant_namespace, h.bytes)
 
+    def check(self, result: TransferResult) -> None:
+        """Raise ContractError when ``result`` names a transfer of ours but not as we ordered it
+        (another request, source or destination): it changes nothing and is dead-lettered."""
+        ticket = self._tickets.get(result.transfer_id)
+        why = None if ticket is None else result_mismatch(ticket.command, result)
+        if why is not None:
+            raise ContractError(f"mismatch: {why}")
+
     def complete(self, result: TransferResult, *, now: float) -> list[Effect]:
-        """Apply an executor's result. Unknown transfers (another planner's, or forgotten) do nothing."""
+        """Apply an executor's result. Unknown transfers (another planner's, or forgotten) do nothing;
+        one that does not match its command raises ContractError (:meth:`check`)."""
+        self.check(result)
         ticket = self._tickets.get(result.transfer_id)
         if ticket is None:
             return []

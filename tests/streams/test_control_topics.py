@@ -252,14 +252,21 @@ async def test_a_planner_acts_only_on_results_an_executor_signed_once(kafka_url)
             _record(TRANSFER_RESULTS, far.request_id, failed, None),
             _record(TRANSFER_RESULTS, far.request_id, failed, _signer("executor/w-a", b"x" * 32, clock=clock)),
             _record(TRANSFER_RESULTS, far.request_id, failed, _signer("planner/p", clock=clock)),
+            # validly signed, by an executor that never ran it (another worker's) ...
+            _record(TRANSFER_RESULTS, far.request_id, failed,
+                    _signer(f"executor/{command.destination.worker}-other", clock=clock)),
+            # ... and by the right executor, for another request than the command's
+            _record(TRANSFER_RESULTS, far.request_id, failed.model_copy(update={"request_id": f"r-else-{tag}"}),
+                    _signer(f"executor/{command.destination.worker}", clock=clock)),
         ])
-        letters = await _letters(kafka_url, TRANSFER_RESULTS.name, far.request_id.encode(), 3)
-        assert _codes(letters) == ["unsigned", "forged", "not_entitled"], [le.reason for le in letters]
+        codes = ["unsigned", "forged", "not_entitled", "not_owner", "mismatch"]
+        letters = await _letters(kafka_url, TRANSFER_RESULTS.name, far.request_id.encode(), 5)
+        assert _codes(letters) == codes, [le.reason for le in letters]
         assert "decision/1" not in seen and service.core.scheduler.open_tickets()  # the transfer is still open
         await _send(producer, [genuine, genuine])  # the genuine result, then its replay
         await read(lambda: "decision/1" in seen)
-        letters = await _letters(kafka_url, TRANSFER_RESULTS.name, far.request_id.encode(), 4)
-        assert _codes(letters) == ["unsigned", "forged", "not_entitled", "replayed"], [le.reason for le in letters]
+        letters = await _letters(kafka_url, TRANSFER_RESULTS.name, far.request_id.encode(), 6)
+        assert _codes(letters) == codes + ["replayed"], [le.reason for le in letters]
         await asyncio.sleep(0.5)
         await read(lambda: True)
         assert seen["decision/1"].action is Action.RECOMPUTE and "remote worker gone" in seen["decision/1"].reason
