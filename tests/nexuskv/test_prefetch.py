@@ -242,3 +242,22 @@ def test_pinned_bytes_are_counted_apart_from_bytes_in_flight():
     assert s.headroom("acme").tenant_bytes == 20_000_000_000 - nbytes  # in flight: unchanged by the pin
     s.tick(now=pin_hint.expires_at)  # consumed: the pin lapses
     assert s.pinned == nbytes
+
+
+def test_a_result_that_does_not_report_its_command_changes_nothing():
+    """A result is taken only for the transfer it names as ordered: another request, source or
+    destination under the same transfer id raises (the service dead-letters it) and the ticket stays open."""
+    from nexuskv.entries import EntryLocation
+    from nexuskv.errors import ContractError
+
+    s = PrefetchScheduler(POLICY)
+    p = prefetch_plan()
+    (ticket,) = s.track(p, now=NOW)
+    cmd = p.transfers[0]
+    elsewhere = EntryLocation(worker="w-z", tier=cmd.destination.tier, group=cmd.destination.group)
+    for update in ({"request_id": "r-other"}, {"destination": elsewhere}):
+        bad = result(cmd).model_copy(update=update)
+        with pytest.raises(ContractError, match="^mismatch: "):
+            s.complete(bad, now=NOW + 0.05)
+    assert s.ticket(ticket.transfer_id).state is TicketState.IN_FLIGHT
+    assert [type(e) for e in s.complete(result(cmd), now=NOW + 0.05)] == [Unpin]

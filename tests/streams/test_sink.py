@@ -88,3 +88,54 @@ async def test_sink_writes_each_record_once_and_dead_letters_bad_ones(kafka_url,
     finally:
         await consumer.stop()
     assert found is not None and "request_id" in found.reason and found.service == "decision-sink"
+
+
+@pytest.mark.broker
+async def test_under_a_bus_secret_the_sink_records_only_the_destination_executors_own_results(kafka_url, tmp_path):
+    """The store's transfer outcomes (what Effective Gain analysis joins to decisions) are the
+    executors' own: an unsigned, forged, planner-signed result, or one signed by another worker's
+    executor, is dead-lettered with its reason and written nowhere; the genuine one is written once."""
+    from nexuskv.contracts.control_signature import ControlVerifier
+
+    from tests.streams.test_control_topics import BUS, _codes, _letters, _record, _send, _signer
+
+    await ensure_topics(kafka_url, partitions=8)
+    tag = uuid.uuid4().hex[:8]
+    rid = f"{tag}-r"
+
+    def result(tid: str) -> TransferResult:
+        return TransferResult(transfer_id=f"{tag}-{tid}", request_id=rid, status="completed", source=DISK,
+                              destination=GPU, blocks_moved=2, bytes_moved=64, started_at=1.0, finished_at=1.2)
+
+    producer = make_producer(kafka_url, client_id="sink-signed-test")
+    await producer.start()
+    try:
+        await _send(producer, [
+            _record(TRANSFER_RESULTS, rid, result("unsigned"), None),
+            _record(TRANSFER_RESULTS, rid, result("forged"), _signer("executor/w1", b"y" * 32)),
+            _record(TRANSFER_RESULTS, rid, result("planner"), _signer("planner/p")),
+            _record(TRANSFER_RESULTS, rid, result("other"), _signer("executor/w2")),  # w2 never ran a w1 transfer
+            _record(TRANSFER_RESULTS, rid, result("genuine"), _signer("executor/w1")),
+        ])
+    finally:
+        await producer.stop()
+
+    store = DecisionStore(tmp_path / "d.duckdb")
+    try:
+        sink = DecisionSink(kafka_url, store, group_id=f"sink-{tag}", flush_interval_s=0.2,
+                            verifier=ControlVerifier(BUS))
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        ours = f"SELECT transfer_id FROM transfer_results WHERE transfer_id LIKE '{tag}-%'"
+        for _ in range(300):
+            if store.query(ours):
+                break
+            await asyncio.sleep(0.1)
+        letters = await _letters(kafka_url, TRANSFER_RESULTS.name, rid.encode(), 4)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        assert store.query(ours) == [(f"{tag}-genuine",)]
+    finally:
+        store.close()
+    assert _codes(letters) == ["unsigned", "forged", "not_entitled", "not_owner"], [le.reason for le in letters]
+    assert all(le.service == "decision-sink" for le in letters)
