@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import aiohttp
 import msgpack
@@ -27,49 +25,31 @@ from nexuskv.contracts.kv_events import KvEventBatch
 from nexuskv.contracts.topics import DEAD_LETTER, KV_EVENTS
 from nexuskv.edge_keys import EdgeKeyer
 from nexuskv.index import GlobalIndex
-from streams.bus.clients import make_consumer, make_producer
-from streams.bus.process import ManagedProcess, free_port
-from streams.bus.topics import ensure_topics
+from streams.bus.clients import make_consumer
+from streams.bus.process import free_port
 from streams.index_api import make_lookup_app
 from streams.index_worker import checkpoint_path, read_checkpoint
 from streams.replica import IndexReplica
 
-from benchmarks.trace_events import CONVERSATION_SLICE, TraceReplay, load_trace
+from benchmarks._attack import (
+    PARTITIONS,
+    SECRET,
+    checkpoints,
+    encoded,
+    end_offsets,
+    names,
+    produce,
+    restored,
+    topics,
+    wait_checkpointed,
+)
+from benchmarks._attack import (
+    replay as trace_replay,
+)
+from benchmarks._attack import worker as start_worker
+from benchmarks.trace_events import TraceReplay
 
 pytestmark = pytest.mark.broker
-PARTITIONS = 4
-SECRET = "replay-secret"
-
-
-def _replay(limit: int = 160) -> tuple[TraceReplay, list[KvEventBatch]]:
-    replay = TraceReplay(load_trace(CONVERSATION_SLICE, limit=limit), workers=8, gpu_blocks=2048, host_blocks=3072)
-    return replay, list(replay.batches())
-
-
-def _names() -> tuple[str, str, str]:
-    tag = uuid.uuid4().hex[:8]
-    return f"test.kv-events.{tag}", f"test-index-{tag}", f"test.dead-letter.{tag}"
-
-
-async def _topics(url, topic: str, dead: str) -> None:
-    import dataclasses
-
-    await ensure_topics(url, partitions=PARTITIONS, topics=(dataclasses.replace(KV_EVENTS, name=topic),
-                                                            dataclasses.replace(DEAD_LETTER, name=dead)))
-
-
-async def _produce(url, topic: str, items: list[tuple[bytes, bytes]]) -> None:
-    producer = make_producer(url, client_id="index-test")
-    await producer.start()
-    try:
-        futures = [await producer.send(topic, value, key=key) for key, value in items]
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
-
-
-def _encoded(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
-    return [(b.publisher.encode(), codec.encode(KV_EVENTS, b)) for b in batches]
 
 
 def _encoded_mixed(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
@@ -83,71 +63,18 @@ def _encoded_mixed(batches: list[KvEventBatch]) -> list[tuple[bytes, bytes]]:
     return out
 
 
-async def _end_offsets(url, topic: str) -> dict[int, int]:
-    from aiokafka import TopicPartition
-
-    consumer = make_consumer(url, client_id="index-test-ends")
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-        return {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
-    finally:
-        await consumer.stop()
-
-
-def _worker(url, data_dir: Path, topic: str, group: str, dead: str) -> ManagedProcess:
-    env = dict(os.environ, NEXUSKV_BROKER=str(url), NEXUSKV_DATA_DIR=str(data_dir), NEXUSKV_IDENTITY_SECRET=SECRET,
-               NEXUSKV_INDEX_CHECKPOINT_INTERVAL="0.5", NEXUSKV_TOPIC_PARTITIONS=str(PARTITIONS),
-               NEXUSKV_LOG_LEVEL="INFO")
-    proc = ManagedProcess([sys.executable, "-m", "streams.index_worker", "--topic", topic, "--group", group,
-                           "--dead-letter-topic", dead], name=f"index-worker-{group}",
-                          log_path=data_dir / "worker.log", env=env, cwd=Path(__file__).resolve().parents[2])
-    proc.start()
-    return proc
-
-
-def _checkpoints(dirs: list[Path], topic: str, group: str) -> dict[int, object]:
-    best: dict[int, object] = {}
-    for d in dirs:
-        for p in range(PARTITIONS):
-            ck = read_checkpoint(checkpoint_path(d / "index" / group, topic, p))
-            if ck is not None and (p not in best or ck.next_offset > best[p].next_offset):
-                best[p] = ck
-    return best
-
-
-async def _wait_checkpointed(dirs, topic, group, ends, procs, timeout_s=120.0) -> dict[int, object]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        best = _checkpoints(dirs, topic, group)
-        if all(ends[p] == 0 or (p in best and best[p].next_offset >= ends[p]) for p in ends):
-            return best
-        for proc in procs:
-            assert proc.alive(), proc.log_tail(40)
-        await asyncio.sleep(0.3)
-    raise AssertionError(f"checkpoints never caught up to {ends}: {[(p, c.next_offset) for p, c in best.items()]}\n"
-                         + "\n".join(p.log_tail(30) for p in procs))
-
-
-def _restored(best: dict[int, object]) -> GlobalIndex:
-    index = GlobalIndex(secret=SECRET.encode())
-    for ck in best.values():
-        index.restore(ck.index)
-    return index
-
-
 @pytest.mark.slow
 async def test_replay_through_kafka_then_sigkill_mid_replay_loses_nothing(kafka_url, tmp_path):
-    replay, batches = _replay()
+    replay, batches = trace_replay()
     truth = replay.resident(SECRET.encode())
     # 1. A clean run.
-    topic, group, dead = _names()
-    await _topics(kafka_url, topic, dead)
-    worker = _worker(kafka_url, tmp_path / "a", topic, group, dead)
+    topic, group, dead = names()
+    await topics(kafka_url, topic, dead)
+    worker = start_worker(kafka_url, tmp_path / "a", topic, group, dead)
     try:
-        await _produce(kafka_url, topic, _encoded(batches))
-        ends = await _end_offsets(kafka_url, topic)
-        index = _restored(await _wait_checkpointed([tmp_path / "a"], topic, group, ends, [worker]))
+        await produce(kafka_url, topic, encoded(batches))
+        ends = await end_offsets(kafka_url, topic)
+        index = restored(await wait_checkpointed([tmp_path / "a"], topic, group, ends, [worker]))
     finally:
         worker.stop()
     assert index.facts() == truth
@@ -159,37 +86,37 @@ async def test_replay_through_kafka_then_sigkill_mid_replay_loses_nothing(kafka_
     # checkpoint shows it applied past the half-way point; the chunks not yet sent then go out
     # while it is dead. So it dies with work in flight whatever the machine's speed, and recovers
     # checkpointed, applied-but-not-checkpointed and never-seen records alike.
-    topic, group, dead = _names()
-    await _topics(kafka_url, topic, dead)
+    topic, group, dead = names()
+    await topics(kafka_url, topic, dead)
     data = tmp_path / "b"
-    worker = _worker(kafka_url, data, topic, group, dead)
+    worker = start_worker(kafka_url, data, topic, group, dead)
     try:
         half = len(batches) // 2
-        await _produce(kafka_url, topic, _encoded(batches[:half]))
-        halfway = await _end_offsets(kafka_url, topic)
+        await produce(kafka_url, topic, encoded(batches[:half]))
+        halfway = await end_offsets(kafka_url, topic)
         deadline = time.monotonic() + 60
-        while not _checkpoints([data], topic, group) and time.monotonic() < deadline:
+        while not checkpoints([data], topic, group) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert _checkpoints([data], topic, group), worker.log_tail(40)
+        assert checkpoints([data], topic, group), worker.log_tail(40)
         rest = batches[half:]
         chunks = [rest[i:i + max(1, len(rest) // 10)] for i in range(0, len(rest), max(1, len(rest) // 10))]
         sent = 0
         for chunk in chunks[:-2]:  # at least the last two chunks are sent after the kill
-            await _produce(kafka_url, topic, _encoded(chunk))
+            await produce(kafka_url, topic, encoded(chunk))
             sent += 1
-            progress = _checkpoints([data], topic, group)
+            progress = checkpoints([data], topic, group)
             if sum(c.next_offset for c in progress.values()) > sum(halfway.values()):
                 break
             await asyncio.sleep(0.2)
         os.killpg(worker.pid, signal.SIGKILL)
-        at_kill = _checkpoints([data], topic, group)
+        at_kill = checkpoints([data], topic, group)
         worker.stop()
         for chunk in chunks[sent:]:
-            await _produce(kafka_url, topic, _encoded(chunk))
-        ends = await _end_offsets(kafka_url, topic)
+            await produce(kafka_url, topic, encoded(chunk))
+        ends = await end_offsets(kafka_url, topic)
         assert sum(c.next_offset for c in at_kill.values()) < sum(ends.values())
-        worker = _worker(kafka_url, data, topic, group, dead)
-        index = _restored(await _wait_checkpointed([data], topic, group, ends, [worker]))
+        worker = start_worker(kafka_url, data, topic, group, dead)
+        index = restored(await wait_checkpointed([data], topic, group, ends, [worker]))
     finally:
         worker.stop()
     got = index.facts()
@@ -216,10 +143,10 @@ def _malformed(valid: bytes, i: int) -> tuple[bytes, str]:
 
 
 async def test_a_thousand_malformed_payloads_go_to_the_dead_letter_topic_and_valid_ones_apply(kafka_url, tmp_path):
-    replay, batches = _replay(limit=40)
+    replay, batches = trace_replay(limit=40)
     truth = replay.resident(SECRET.encode())
-    topic, group, dead = _names()
-    await _topics(kafka_url, topic, dead)
+    topic, group, dead = names()
+    await topics(kafka_url, topic, dead)
     valid = _encoded_mixed(batches)
     assert sum(keyed_events.is_keyed_payload(v) for _k, v in valid) == (len(valid) + 1) // 2
     templates = [v for _k, v in valid]
@@ -231,11 +158,11 @@ async def test_a_thousand_malformed_payloads_go_to_the_dead_letter_topic_and_val
         if i % 4 == 0 and valid:
             items.append(valid.pop(0))
     items.extend(valid)
-    worker = _worker(kafka_url, tmp_path, topic, group, dead)
+    worker = start_worker(kafka_url, tmp_path, topic, group, dead)
     try:
-        await _produce(kafka_url, topic, items)
-        ends = await _end_offsets(kafka_url, topic)
-        index = _restored(await _wait_checkpointed([tmp_path], topic, group, ends, [worker]))
+        await produce(kafka_url, topic, items)
+        ends = await end_offsets(kafka_url, topic)
+        index = restored(await wait_checkpointed([tmp_path], topic, group, ends, [worker]))
         assert worker.alive()
     finally:
         worker.stop()
@@ -261,24 +188,24 @@ async def test_a_thousand_malformed_payloads_go_to_the_dead_letter_topic_and_val
 
 @pytest.mark.slow
 async def test_two_workers_in_one_group_split_partitions_and_together_answer_as_one(kafka_url, tmp_path):
-    replay, batches = _replay(limit=100)
+    replay, batches = trace_replay(limit=100)
     truth = replay.resident(SECRET.encode())
-    topic, group, dead = _names()
-    await _topics(kafka_url, topic, dead)
+    topic, group, dead = names()
+    await topics(kafka_url, topic, dead)
     dirs = [tmp_path / "w1", tmp_path / "w2"]
-    workers = [_worker(kafka_url, d, topic, group, dead) for d in dirs]
+    workers = [start_worker(kafka_url, d, topic, group, dead) for d in dirs]
     try:
         await asyncio.sleep(6)  # both join the group before the events arrive
-        await _produce(kafka_url, topic, _encoded(batches))
-        ends = await _end_offsets(kafka_url, topic)
-        best = await _wait_checkpointed(dirs, topic, group, ends, workers)
+        await produce(kafka_url, topic, encoded(batches))
+        ends = await end_offsets(kafka_url, topic)
+        best = await wait_checkpointed(dirs, topic, group, ends, workers)
     finally:
         for w in workers:
             w.stop()
     owners = [sum(1 for p in range(PARTITIONS) if read_checkpoint(checkpoint_path(d / "index" / group, topic, p)))
               for d in dirs]
     assert all(owners), f"one worker got no partition: {owners}"
-    together = _restored(best)
+    together = restored(best)
     one = GlobalIndex(secret=SECRET.encode())
     for b in batches:
         one.apply(b)
@@ -291,10 +218,10 @@ async def test_two_workers_in_one_group_split_partitions_and_together_answer_as_
 
 
 async def test_replica_reads_every_partition_and_serves_the_authenticated_tenant_scoped_endpoint(kafka_url):
-    replay, batches = _replay(limit=40)
-    topic, _group, dead = _names()
-    await _topics(kafka_url, topic, dead)
-    await _produce(kafka_url, topic, _encoded(batches))
+    replay, batches = trace_replay(limit=40)
+    topic, _group, dead = names()
+    await topics(kafka_url, topic, dead)
+    await produce(kafka_url, topic, encoded(batches))
     reference = GlobalIndex(secret=SECRET.encode())
     for b in batches:
         reference.apply(b)
