@@ -42,18 +42,15 @@ import sys
 import time
 import uuid
 
-from nexuskv.contracts import codec
-from nexuskv.contracts.control_signature import ControlVerifier, producer_key
+from nexuskv.contracts.control_signature import ControlVerifier
 from nexuskv.contracts.placement import HintKind, PlacementHint
 from nexuskv.contracts.topics import PLACEMENT, TRANSFERS
-from nexuskv.contracts.transfers import TransferCommand
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.tiers import TierManager
 from nexuskv.descriptor import Tier
-from nexuskv.entries import EntryLocation
-from streams.bus.clients import ControlSigner, make_producer, record_headers
+from streams.bus.clients import ControlSigner, make_producer
 from streams.bus.metrics import REGISTRY
 from streams.bus.topics import ensure_topics
 from streams.tier_manager import TierBus
@@ -61,6 +58,8 @@ from streams.transfer_executor import TransferService
 
 from benchmarks._attack_broker import attack_broker
 from benchmarks._result import Run, write_result
+from tests.control_records import command, hint, signer
+from tests.control_records import record as _record
 from tests.dataplane.tiering import BLOCK_BYTES, chain_tokens, save_blocks
 
 BUS = b"the-bus-secret-of-the-control-attack"
@@ -70,28 +69,11 @@ OUTSIDER_RECORDS = 9
 
 
 def _signer(producer: str, secret: bytes = BUS) -> ControlSigner:
-    return ControlSigner(producer, key=producer_key(secret, producer))
-
-
-def _record(topic, key: str, value, signer: ControlSigner | None):
-    raw_key, payload = key.encode(), codec.encode(topic, value)
-    return topic.name, raw_key, payload, record_headers(raw_key, payload, value, None, None, topic=topic,
-                                                        control=signer)
+    return signer(producer, secret)
 
 
 def _hint(kind: HintKind, worker: str, **kw) -> PlacementHint:
-    keys = kw.pop("keys", ())
-    return PlacementHint(hint_id=f"h-{uuid.uuid4().hex[:8]}", tenant_namespace="acme", kind=kind, worker=worker,
-                         keys=tuple(k.key for k in keys), descriptor_id="tiny-desc" if keys else None,
-                         blocks=len(keys), issued_at=time.time(), reason="attack", **kw)
-
-
-def _command(tid: str, worker: str, keys) -> TransferCommand:
-    now = time.time()
-    return TransferCommand(transfer_id=tid, request_id=f"r-{tid}", descriptor_id="tiny-desc", tenant_namespace="acme",
-                           keys=tuple(k.key for k in keys), source=EntryLocation(worker=worker, tier=Tier.HOST),
-                           destination=EntryLocation(worker=worker, tier=Tier.GPU), bytes=len(keys) * BLOCK_BYTES,
-                           issued_at=now, deadline_at=now + 30)
+    return hint(kind, worker, reason="attack", **kw)
 
 
 def _refused(service: str, topic: str) -> float:
@@ -144,14 +126,14 @@ async def scenario(url, *, signed: bool) -> dict:
         hkeys, gkeys = [b.key for b in victim_host], [b.key for b in victim_gpu]
         hkey = f"acme/{worker}"
         # The genuine planner's prefetch and cancel, then the outsider's records.
-        prefetch = _hint(HintKind.PREFETCH, worker, tier=Tier.HOST, transfer_id="t-genuine", bytes=4 * BLOCK_BYTES,
+        prefetch = _hint(HintKind.PREFETCH, worker, tier=Tier.HOST, transfer_id="t-genuine", nbytes=4 * BLOCK_BYTES,
                          expires_at=time.time() + 30)  # in the host tier: the device tier is the grab's
         genuine = _record(PLACEMENT, hkey, prefetch, planner)
         cancel = _record(PLACEMENT, hkey, _hint(HintKind.CANCEL, worker, tier=Tier.HOST, transfer_id="t-genuine"),
                          planner)
         evict = _hint(HintKind.EVICT, worker, tier=Tier.HOST, keys=hkeys)
         grab = lambda tid: _hint(HintKind.PREFETCH, worker, tier=Tier.GPU, transfer_id=tid,  # noqa: E731
-                                 bytes=DEVICE_BLOCKS * BLOCK_BYTES, expires_at=time.time() + TEN_YEARS)
+                                 nbytes=DEVICE_BLOCKS * BLOCK_BYTES, expires_at=time.time() + TEN_YEARS)
         hints = [genuine, cancel, genuine,  # the replay, byte for byte, after the cancel
                  _record(PLACEMENT, hkey, evict, None), _record(PLACEMENT, hkey, evict, mallory),
                  _record(PLACEMENT, hkey, grab("t-grab-1"), None), _record(PLACEMENT, hkey, grab("t-grab-2"), mallory)]
@@ -168,7 +150,7 @@ async def scenario(url, *, signed: bool) -> dict:
                    device_hold_s=round(max((e - time.time() for e in grabbed), default=0.0), 1),
                    replayed_prefetch_held="t-genuine" in held)
         hints_taken = len(hints) - bus.rejected
-        commands = [_record(TRANSFERS, worker, _command(f"t-x{i}", worker, hkeys[8 * i:8 * i + 8]), s)
+        commands = [_record(TRANSFERS, worker, command(f"t-x{i}", worker, hkeys[8 * i:8 * i + 8]), s)
                     for i, s in enumerate((None, None, mallory, executor_x))]
         for topic, key, payload, headers in commands:
             await producer.send_and_wait(topic, payload, key=key, headers=headers or None)
@@ -187,7 +169,7 @@ async def scenario(url, *, signed: bool) -> dict:
         for tid in ("t-grab-1", "t-grab-2", "t-genuine"):
             manager.release(tid)
         eighth = _hint(HintKind.PREFETCH, worker, tier=Tier.GPU, transfer_id="t-insider-eighth",
-                        bytes=DEVICE_BLOCKS * BLOCK_BYTES // 8, expires_at=time.time() + TEN_YEARS)
+                        nbytes=DEVICE_BLOCKS * BLOCK_BYTES // 8, expires_at=time.time() + TEN_YEARS)
         for rec in (_record(PLACEMENT, hkey, eighth, planner), _record(PLACEMENT, hkey, grab("t-insider"), planner)):
             taken = bus.hints
             await producer.send_and_wait(rec[0], rec[2], key=rec[1], headers=rec[3] or None)

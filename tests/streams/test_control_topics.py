@@ -15,7 +15,7 @@ import pytest
 
 from nexuskv.config import Settings
 from nexuskv.contracts import codec
-from nexuskv.contracts.control_signature import ControlVerifier, Envelope, producer_key
+from nexuskv.contracts.control_signature import ControlVerifier, Envelope
 from nexuskv.contracts.dead_letter import DeadLetter
 from nexuskv.contracts.decisions import Action, Decision
 from nexuskv.contracts.placement import HintKind
@@ -25,13 +25,16 @@ from nexuskv.descriptor import Tier
 from nexuskv.errors import ContractError
 from nexuskv.policy import ExecutionPolicy
 from nexuskv.profiles import shipped_cost_model
-from streams.bus.clients import ControlSigner, make_consumer, make_producer, record_headers
+from streams.bus.clients import ControlSigner, make_consumer, make_producer
 from streams.bus.metrics import REGISTRY
 from streams.bus.topics import ensure_topics
 from streams.planner_service import PlannerService
 from streams.tier_manager import TierBus, build
 from streams.transfer_executor import TransferService
 
+from tests.control_records import record as _record
+from tests.control_records import send as _send
+from tests.control_records import signer
 from tests.dataplane.tiering import BLOCK_BYTES, chain_tokens, save_blocks
 from tests.planning import NOW
 from tests.streams.test_planner_service import _scenario
@@ -43,19 +46,7 @@ TIMEOUT_S = 60
 
 
 def _signer(producer: str, secret: bytes = BUS, clock=time.time) -> ControlSigner:
-    return ControlSigner(producer, key=producer_key(secret, producer), clock=clock)
-
-
-def _record(topic, key: str, value, signer: ControlSigner | None):
-    """The exact record a producer sends (so that it can be sent again byte for byte)."""
-    raw_key, payload = key.encode(), codec.encode(topic, value)
-    return topic.name, raw_key, payload, record_headers(raw_key, payload, value, None, None, topic=topic,
-                                                        control=signer)
-
-
-async def _send(producer, records) -> None:
-    for topic, key, payload, headers in records:
-        await producer.send_and_wait(topic, payload, key=key, headers=headers or None)
+    return signer(producer, secret, clock)
 
 
 async def _letters(url, source: str, key: bytes, want: int) -> list[DeadLetter]:

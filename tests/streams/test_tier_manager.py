@@ -23,17 +23,16 @@ from nexuskv.contracts import encode
 from nexuskv.contracts.decisions import Action
 from nexuskv.contracts.keyed_events import KeyedBatch
 from nexuskv.contracts.kv_events import KvEventBatch
-from nexuskv.contracts.placement import HintKind, PlacementHint
+from nexuskv.contracts.placement import HintKind
 from nexuskv.contracts.plans import PlanRequest, WorkerLoad
 from nexuskv.contracts.tier_state import TierStateRecord
 from nexuskv.contracts.topics import KV_EVENTS, PLACEMENT, TIER_STATE, TRANSFER_RESULTS, TRANSFERS
-from nexuskv.contracts.transfers import TransferCommand, TransferResult, TransferStatus
+from nexuskv.contracts.transfers import TransferResult, TransferStatus
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.executor import TransferExecutor
 from nexuskv.dataplane.memory import DeviceMemoryBackend, HostMemoryBackend
 from nexuskv.dataplane.tiers import TierManager
 from nexuskv.descriptor import Tier
-from nexuskv.entries import EntryLocation
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.index import GlobalIndex
 from nexuskv.models import DescriptorRegistry, known_model
@@ -46,26 +45,12 @@ from streams.tier_manager import TierBus, build, handle_hint
 from streams.tier_prices import TierPriceReplica
 from streams.transfer_executor import TransferService
 
+from tests.control_records import command as _command
+from tests.control_records import hint as _hint
 from tests.dataplane.tiering import BLOCK_BYTES, chain_tokens, save_blocks
 from tests.planning import KeyIndex
 
 TIMEOUT_S = 60
-
-
-def _hint(kind: HintKind, worker: str, *, keys=(), tier=Tier.HOST, transfer_id=None, expires_at=None, nbytes=0,
-          to_tier=None, tenant="acme") -> PlacementHint:
-    return PlacementHint(hint_id=f"h-{uuid.uuid4().hex[:8]}", tenant_namespace=tenant, kind=kind, worker=worker,
-                         tier=tier, keys=tuple(k.key for k in keys), descriptor_id="tiny-desc" if keys else None,
-                         blocks=len(keys), bytes=nbytes, transfer_id=transfer_id, expires_at=expires_at,
-                         to_tier=to_tier, issued_at=time.time(), reason="test")
-
-
-def _command(tid: str, worker: str, keys, src: Tier, dst: Tier, deadline_in: float = 30.0) -> TransferCommand:
-    now = time.time()
-    return TransferCommand(transfer_id=tid, request_id=f"r-{tid}", descriptor_id="tiny-desc", tenant_namespace="acme",
-                           keys=tuple(k.key for k in keys), source=EntryLocation(worker=worker, tier=src),
-                           destination=EntryLocation(worker=worker, tier=dst), bytes=len(keys) * BLOCK_BYTES,
-                           issued_at=now, deadline_at=now + deadline_in)
 
 
 def test_every_hint_kind_has_a_consumer():
