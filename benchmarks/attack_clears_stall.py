@@ -136,9 +136,11 @@ async def run(url, *, requests: int) -> dict:
             await producer.stop()
             await out.stop()
             await service.stop()
-        exact = replica.index.facts() == reference([*batches, clears]).facts()
+        truth = reference([*batches, clears]).facts()
+        exact = replica.index.facts() == truth
     lat = sorted(latency.values())
     return {"blocks": blocks, "record_bytes": len(hostile), "applied_s": round(applied_s, 2),
+            "victim_blocks_left": sum(1 for k in truth if k[0] == victim.publisher), "requests_sent": len(sent),
             "loop_held_max_ms": round(max(c for _w, c in gaps) * 1000, 1),
             "loop_gap_max_ms": round(max(w for w, _c in gaps) * 1000, 1),
             "decisions": len(lat), "decision_p50_ms": round(lat[len(lat) // 2] * 1000, 1) if lat else None,
