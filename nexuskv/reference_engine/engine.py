@@ -85,8 +85,8 @@ class PageLoadOutcome:
 
 @dataclass(frozen=True, slots=True)
 class PageSaveOutcome:
-    """What saving the engine's pages to a backend did (a tier manager's save is
-    :class:`nexuskv.dataplane.tiers.SaveOutcome`)."""
+    """What saving the engine's pages to a backend did (a tier manager's save of blocks answers with
+    its own ``SaveOutcome``)."""
 
     handles: tuple[PayloadHandle, ...]
     blocks: int
