@@ -46,7 +46,7 @@ from streams.router import POLICY_NAMES, Router, RoutingOutcome
 
 from benchmarks.trace_events import BLOCK_TOKENS, TraceReplay, TraceRequest
 
-__all__ = ["PROFILE", "MODEL", "SimConfig", "Served", "PolicyReport", "simulate", "compare", "side_by_side",
+__all__ = ["PROFILE", "MODEL", "SimConfig", "SimServed", "PolicyReport", "simulate", "compare", "side_by_side",
            "sim_execution_policy", "percentile"]
 
 PROFILE = "h200x1-rdma4x200"
@@ -65,7 +65,7 @@ class SimConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Served:
+class SimServed:
     """One request as a policy served it."""
 
     request_id: str
@@ -87,7 +87,7 @@ class PolicyReport:
     """Mean and p99 predicted TTFT and hit rates of one policy over one run."""
 
     policy: str
-    served: list[Served] = field(default_factory=list)
+    served: list[SimServed] = field(default_factory=list)
     samples: list[tuple[PlanQuery, LookupResult, str]] = field(default_factory=list)  # (query, lookup, worker)
 
     @property
@@ -218,7 +218,7 @@ def simulate(requests: Sequence[TraceRequest], policy: str, *, config: SimConfig
         total_blocks = -(-(request.input_length + request.output_length) // BLOCK_TOKENS)
         wait = queues[outcome.worker].serve(now, pred.service_s, prompt - reused, total_blocks,
                                             request.output_length * config.tpot_s)
-        report.served.append(Served(query.request_id, outcome.worker, prompt, reused,
+        report.served.append(SimServed(query.request_id, outcome.worker, prompt, reused,
                                     pred.local_blocks * BLOCK_TOKENS, wait, pred.service_s, pred.action.value))
         for batch in replay.step(request, worker=outcome.worker):
             index.apply(batch)

@@ -8,7 +8,7 @@ disk, a remote tier on another host or a real GPU instead of the stand-in change
 only through their capabilities.
 
 Policies are small classes with one pure method, ``rank(candidate) -> sort key`` (lower is
-better), over a :class:`Candidate` snapshot taken once per selection.
+better), over a :class:`BackendCandidate` snapshot taken once per selection.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from nexuskv.descriptor import Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import TierUnavailableError
 
-__all__ = ["Need", "Candidate", "SelectionPolicy", "MostFree", "FastestFirst", "DurableFirst", "POLICIES",
+__all__ = ["Need", "BackendCandidate", "SelectionPolicy", "MostFree", "FastestFirst", "DurableFirst", "POLICIES",
            "BackendCatalog", "TIER_ORDER"]
 
 #: Expected access cost on one node, cheapest first (the order FastestFirst uses). A remote
@@ -55,7 +55,7 @@ class Need:
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class BackendCandidate:
     """A backend that satisfies a need, as its policy sees it (a snapshot)."""
 
     position: int  # registration order: the last tie-breaker, for determinism
@@ -67,7 +67,7 @@ class Candidate:
 class SelectionPolicy(Protocol):
     name: ClassVar[str]
 
-    def rank(self, candidate: Candidate) -> tuple: ...
+    def rank(self, candidate: BackendCandidate) -> tuple: ...
 
 
 class MostFree:
@@ -75,7 +75,7 @@ class MostFree:
 
     name: ClassVar[str] = "most_free"
 
-    def rank(self, candidate: Candidate) -> tuple:
+    def rank(self, candidate: BackendCandidate) -> tuple:
         return (-candidate.free_bytes, candidate.position)
 
 
@@ -84,7 +84,7 @@ class FastestFirst:
 
     name: ClassVar[str] = "fastest_first"
 
-    def rank(self, candidate: Candidate) -> tuple:
+    def rank(self, candidate: BackendCandidate) -> tuple:
         caps = candidate.capabilities
         return (TIER_ORDER.index(caps.tier), caps.stand_in, not caps.pinned, -candidate.free_bytes,
                 candidate.position)
@@ -95,7 +95,7 @@ class DurableFirst:
 
     name: ClassVar[str] = "durable_first"
 
-    def rank(self, candidate: Candidate) -> tuple:
+    def rank(self, candidate: BackendCandidate) -> tuple:
         return (not candidate.capabilities.durable, *FastestFirst().rank(candidate))
 
 
@@ -120,7 +120,7 @@ class BackendCatalog:
     def backends(self) -> tuple[TierBackend, ...]:
         return tuple(self._backends)
 
-    def candidates(self, need: Need) -> list[tuple[TierBackend, Candidate]]:
+    def candidates(self, need: Need) -> list[tuple[TierBackend, BackendCandidate]]:
         """Backends meeting ``need``, with their snapshots; unreachable ones are skipped."""
         out = []
         for position, backend in enumerate(self._backends):
@@ -134,7 +134,7 @@ class BackendCatalog:
                     continue
             except TierUnavailableError:
                 continue
-            out.append((backend, Candidate(position, backend.capabilities, free, backend.capacity_bytes)))
+            out.append((backend, BackendCandidate(position, backend.capabilities, free, backend.capacity_bytes)))
         return out
 
     def select(self, need: Need, policy: SelectionPolicy | None = None) -> TierBackend | None:

@@ -16,11 +16,11 @@ from nexuskv.reference_engine.descriptors import ENGINE_FAMILY, descriptor_for
 from nexuskv.reference_engine.engine import (
     ATTENTION_GROUP,
     CHECKPOINT_GROUP,
-    LoadOutcome,
+    PageLoadOutcome,
+    PageSaveOutcome,
     PrefillResult,
     ReferenceEngine,
     ReuseExtent,
-    SaveOutcome,
 )
 from nexuskv.reference_engine.engine_hash import engine_hashes
 from nexuskv.reference_engine.events import EventLog, Publisher, null_publisher
@@ -33,13 +33,13 @@ __all__ = [
     "ENGINE_FAMILY",
     "EventLog",
     "LayerKind",
-    "LoadOutcome",
+    "PageLoadOutcome",
     "ReferenceModelSpec",
     "PrefillResult",
     "Publisher",
     "ReferenceEngine",
     "ReuseExtent",
-    "SaveOutcome",
+    "PageSaveOutcome",
     "TinyModel",
     "Variant",
     "descriptor_for",

@@ -54,7 +54,7 @@ from nexuskv.reference_engine.model import TinyModel
 from nexuskv.reference_engine.paging import PagePool
 from nexuskv.reference_engine.spec import ReferenceModelSpec
 
-__all__ = ["ReferenceEngine", "ReuseExtent", "LoadOutcome", "SaveOutcome", "PrefillResult",
+__all__ = ["ReferenceEngine", "ReuseExtent", "PageLoadOutcome", "PageSaveOutcome", "PrefillResult",
            "ATTENTION_GROUP", "CHECKPOINT_GROUP"]
 
 
@@ -72,7 +72,7 @@ class ReuseExtent:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadOutcome:
+class PageLoadOutcome:
     """What :meth:`ReferenceEngine.load` restored into the runtime's pages."""
 
     blocks: int  # attention blocks loaded
@@ -84,7 +84,10 @@ class LoadOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class SaveOutcome:
+class PageSaveOutcome:
+    """What saving the engine's pages to a backend did (a tier manager's save of blocks answers with
+    its own ``SaveOutcome``)."""
+
     handles: tuple[PayloadHandle, ...]
     blocks: int
     checkpoints: int
@@ -374,7 +377,7 @@ class ReferenceEngine:
     # -- load -----------------------------------------------------------------------------------
 
     def load(self, tokens: Sequence[int], source: TierBackend, *,
-             payloads: Sequence[PayloadKey] | None = None) -> LoadOutcome:
+             payloads: Sequence[PayloadKey] | None = None) -> PageLoadOutcome:
         """Restore the prompt's blocks (and checkpoint) held by ``source`` into the pages.
 
         Loads the longest legal prefix the pages and ``source`` hold together (for a hybrid, up
@@ -391,7 +394,7 @@ class ReferenceEngine:
         if payloads is not None:
             refusal = self._refuse_foreign(keys, payloads)
             if refusal is not None:
-                return LoadOutcome(0, 0, 0, self.lookup(ids).local_tokens, time.perf_counter() - t0, refusal)
+                return PageLoadOutcome(0, 0, 0, self.lookup(ids).local_tokens, time.perf_counter() - t0, refusal)
             allowed = set(payloads)
 
         target, reason = self._restorable(keys, len(ids), self._held(ATTENTION_GROUP, source, allowed),
@@ -432,7 +435,7 @@ class ReferenceEngine:
         now_reusable = self.lookup(ids).local_tokens
         if stop is not None:
             reason = f"{stop}; the prompt recomputes from there"
-        return LoadOutcome(blocks, checkpoints, nbytes, now_reusable, time.perf_counter() - t0, reason)
+        return PageLoadOutcome(blocks, checkpoints, nbytes, now_reusable, time.perf_counter() - t0, reason)
 
     def _refuse_foreign(self, keys: Sequence[int], payloads: Sequence[PayloadKey]) -> str | None:
         for did in sorted({pk.descriptor_id for pk in payloads}):
@@ -464,7 +467,7 @@ class ReferenceEngine:
 
     # -- save -----------------------------------------------------------------------------------
 
-    def save(self, tokens: Sequence[int], destination: TierBackend, *, announce: bool = True) -> SaveOutcome:
+    def save(self, tokens: Sequence[int], destination: TierBackend, *, announce: bool = True) -> PageSaveOutcome:
         """Write the prompt's cached prefix (pages, and checkpoints within it) to ``destination``.
 
         Each page becomes one checksummed payload addressed by (descriptor id, block key, group).
@@ -510,7 +513,7 @@ class ReferenceEngine:
                 if idx:
                     self._events.stored([hashes[i] for i in idx], None, (), tier=tier, group=group)
             self._events.flush()
-        return SaveOutcome(tuple(handles), blocks, checkpoints, nbytes, already, reason)
+        return PageSaveOutcome(tuple(handles), blocks, checkpoints, nbytes, already, reason)
 
     # -- engine-connector seams ----------------------------------------------------------------
     # What an engine shows a KV connector (vLLM's KVConnectorBase_V1): its paged KV tensors, the

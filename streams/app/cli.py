@@ -17,8 +17,9 @@ Commands:
 * ``nexuskv schemas`` — export every wire contract's JSON Schema (to ``infra/schemas/``).
 * ``nexuskv replay TRACE`` — a Mooncake trace through vLLM alone, then through vLLM + NexusKV
   (connector, bridges, index, calibration, planner, decision sink), same requests and arrivals;
-  both runs into one DuckDB file, then the side-by-side report (``--engine reference``: NexusKV's
-  reference engine, for the attention families vLLM's CPU build cannot run).
+  both runs into one DuckDB file, then the side-by-side report (``--engine reference``: the same
+  replay on NexusKV's reference engine, one NexusKV run, for the attention families vLLM's CPU
+  build cannot run).
 * ``nexuskv report [DB]`` — print a decision store's key tables and write its PNG plots (default:
   the live store's snapshot, else the latest replay).
 * ``nexuskv config`` — print the settings table (environment variable, default, meaning).
@@ -118,17 +119,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="the random model's shape when --model is not given")
     replay.add_argument("--dtype", default=None,
                         help="vLLM's --dtype (default: float32 for the random models, auto for --model)")
-    replay.add_argument("--engine-blocks", type=int, default=160,
-                        help="each vLLM engine's own KV cache, in blocks of 32 tokens")
+    replay.add_argument("--engine-blocks", "--gpu-pages", type=int, default=160, dest="engine_blocks",
+                        help="each engine's own KV cache (the reference engine's page pool), in blocks of 32 tokens")
     replay.add_argument("--hash-block-tokens", type=int, default=32, help="tokens per 512-token trace block")
     replay.add_argument("--max-prompt-tokens", type=int, default=2048)
     replay.add_argument("--max-output-tokens", type=int, default=8)
-    replay.add_argument("--runs", default="baseline,nexuskv", help="which runs, comma separated")
+    replay.add_argument("--runs", default=None,
+                        help="which runs, comma separated (default: baseline,nexuskv; the reference engine: nexuskv)")
     replay.add_argument("--engine", default="vllm", choices=["vllm", "reference"],
                         help="vllm (default), or NexusKV's reference engine for what vLLM's CPU build cannot "
                              "run: --reference-variant mla|hybrid (one run, no baseline)")
     replay.add_argument("--reference-variant", default="gqa", choices=["gqa", "mla", "hybrid"])
-    replay.add_argument("--gpu-pages", type=int, default=160, help="reference engine: KV page pool, in blocks")
     replay.add_argument("--out", type=Path, default=None, help="folder for the DuckDB file, logs and plots")
     replay.add_argument("--no-progress", action="store_true")
     replay.add_argument("--trace-to", default=None, metavar="URL",
@@ -278,55 +279,25 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError("trace", f"no trace file at {args.trace}")
     out = args.out or default_replay_dir(settings)
     out.mkdir(parents=True, exist_ok=True)
-    if args.engine == "reference":
-        return _replay_reference(args, settings, out)
-    shape = WorkloadShape(max_requests=args.requests or 48, conversations=args.conversations,
+    vllm = args.engine == "vllm"
+    shape = WorkloadShape(max_requests=args.requests or (48 if vllm else 200), conversations=args.conversations,
                           follow_ups=not args.in_order, hash_block_tokens=args.hash_block_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                          time_scale=args.time_scale or 6.0, warmup=args.warmup)
-    config = ReplayConfig(trace=args.trace, out=out, shape=shape, workers=args.workers or 2, model_dir=args.model,
-                          model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype,
-                          runs=tuple(r.strip() for r in args.runs.split(",") if r.strip()),
-                          trace_to=args.trace_to or settings.otlp_endpoint)
+                          time_scale=args.time_scale or (6.0 if vllm else 10.0), warmup=args.warmup)
+    runs = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
+    config = ReplayConfig(trace=args.trace, out=out, shape=shape, engine=args.engine,
+                          workers=args.workers or (2 if vllm else 4), model_dir=args.model,
+                          model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype, runs=runs,
+                          trace_to=args.trace_to or (settings.otlp_endpoint if vllm else None),
+                          variant=args.reference_variant)
     outcome = run_replay(config, settings, progress=not args.no_progress)
+    if not vllm:
+        print(f"nexuskv: {outcome.runs['nexuskv'].describe()}", flush=True)
     tables, plots = report(config.db, out / "report")
     print(tables)
     for path in plots:
         print(f"wrote {path}")
     print(f"decision store: {config.db} (replay {outcome.replay_id}, {outcome.wall_s:.0f} s)")
-    return 0
-
-
-def _replay_reference(args: argparse.Namespace, settings: Settings, out: Path) -> int:
-    from analytics.report import report
-    from streams.app.replay_reference import REPLAY_SERVICES, ReplayConfig, run_replay
-    from streams.app.services import SERVICES, start_services
-    from streams.bus.broker import open_bus
-    from streams.bus.topics import ensure_topics
-    from streams.remote_tier import local_address
-
-    local = settings.model_copy(update={"data_dir": out})
-    config = ReplayConfig(trace=args.trace, db=out / "decisions.duckdb", requests=args.requests or 200,
-                          workers=args.workers or 4, time_scale=args.time_scale or 10.0,
-                          conversations=args.conversations,
-                          gpu_pages=args.gpu_pages, variant=args.reference_variant)
-    remote = local_address()
-    services = tuple(s for s in SERVICES if s.name in REPLAY_SERVICES)
-    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
-        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
-        print(f"nexuskv: replaying {args.trace.name} ({config.requests} requests, {config.workers} "
-              f"{args.reference_variant} reference engines) on {url}", flush=True)
-        env = {"NEXUSKV_REMOTE_TIER": remote, "NEXUSKV_DATA_DIR": str(out)}
-        with start_services(url, local, services=services, env=env):
-            result = asyncio.run(run_replay(config, url, remote, progress=not args.no_progress))
-    print(f"nexuskv: {result.requests} requests, {result.decisions} decided in {result.wall_s:.1f}s; actions "
-          f"{dict(result.actions)}; transfers {dict(result.transfers)}; reused {result.reused_tokens} of "
-          f"{result.prompt_tokens} prompt tokens; mean virtual TTFT {result.mean_ttft_s * 1000:.1f} ms")
-    tables, plots = report(config.db, out / "report")
-    print(tables)
-    for path in plots:
-        print(f"wrote {path}")
-    print(f"decision store: {config.db}")
     return 0
 
 

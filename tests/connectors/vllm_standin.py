@@ -34,11 +34,11 @@ from connectors.vllm.worker_side import WorkerSide
 from nexuskv.errors import NexusKVError
 from nexuskv.reference_engine import PrefillResult, ReferenceEngine
 
-__all__ = ["Served", "VllmStandIn"]
+__all__ = ["StandInServed", "VllmStandIn"]
 
 
 @dataclass(frozen=True, slots=True)
-class Served:
+class StandInServed:
     """One request as the engine served it (tokens unless said otherwise)."""
 
     result: PrefillResult
@@ -75,7 +75,7 @@ class VllmStandIn:
             time.sleep(0.0005)  # an asynchronous load is still on a worker thread: let it run
         return recving
 
-    def serve(self, request_id: str, tokens: Sequence[int]) -> Served:
+    def serve(self, request_id: str, tokens: Sequence[int]) -> StandInServed:
         rt, sched, bs = self.runtime, self.scheduler, self.runtime.block_size
         tokens = list(tokens)
         sched.track(request_id, tokens, len(tokens))
@@ -113,7 +113,7 @@ class VllmStandIn:
         sched.request_finished(request_id)
         self.scheduler.update_connector_output(self.worker.take_report())
         saved = self.worker.stats["blocks_saved"] - saved_before
-        return Served(result, computed, matched, good * bs, len(pages) - good, load_async, waited, saved)
+        return StandInServed(result, computed, matched, good * bs, len(pages) - good, load_async, waited, saved)
 
     def _bounded(self, waited: int) -> None:
         if waited > self.max_steps:

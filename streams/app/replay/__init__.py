@@ -12,9 +12,10 @@ every request of both runs is one OpenTelemetry trace, vLLM's own request span i
 (:mod:`~streams.app.replay.tracing`), and the report names the traces to open first.
 
 The engines are vLLM's CPU build serving a random Llama written locally
-(:mod:`streams.app.tiny_model`) unless ``--model DIR`` names one. ``--engine reference``
-replays on NexusKV's reference engine instead (:mod:`streams.app.replay_reference`: the attention
-families vLLM's CPU build cannot run, MLA and recurrent), a single run without a baseline.
+(:mod:`streams.app.tiny_model`) unless ``--model DIR`` names one. ``--engine reference`` (the
+``engine`` of :class:`~streams.app.replay.session.ReplayConfig`) replays the same workload on
+NexusKV's reference engine instead (:mod:`~streams.app.replay.reference_run`: the attention
+families vLLM's CPU build cannot run, MLA and recurrent), a single NexusKV run without a baseline.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""One replay: the workload, the model, both runs in turn, every request into the decision store."""
+"""One replay: the workload, the engine, its runs in turn, every request into the decision store.
+
+``engine`` chooses what serves the request stream: ``vllm`` (vLLM's CPU build, the baseline and
+the NexusKV run, :mod:`~streams.app.replay.runs` and :mod:`~streams.app.replay.nexuskv_run`) or
+``reference`` (NexusKV's reference engine, one NexusKV run, :mod:`~streams.app.replay.reference_run`).
+Both take the same workload (:func:`~streams.app.replay.workload.build_workload`) from the same trace.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from analytics.store import DecisionStore
 from nexuskv.config import Settings
@@ -22,6 +29,9 @@ from streams.app.replay.workload import Workload, WorkloadShape, build_workload
 from streams.app.tiny_model import TinyLlamaSpec, build_tiny_llama
 from streams.app.traces import load_trace
 from streams.bus.process import free_port
+
+if TYPE_CHECKING:
+    from streams.app.replay.reference_run import ReferenceRunResult
 
 __all__ = ["ReplayConfig", "ReplayOutcome", "run_replay", "default_replay_dir"]
 
@@ -38,6 +48,9 @@ SIZES: dict[str, TinyLlamaSpec] = {
                             max_positions=8192, dtype="float32"),
 }
 RUNS = ("baseline", "nexuskv")
+ENGINES = ("vllm", "reference")
+REFERENCE_RUNS = ("nexuskv",)  # the reference engine has no baseline run
+VARIANTS = ("gqa", "mla", "hybrid")  # the reference engine's attention (hybrid: recurrent checkpoints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +58,21 @@ class ReplayConfig:
     trace: Path
     out: Path  # the replay's folder: decisions.duckdb, logs/, report/
     shape: WorkloadShape = field(default_factory=WorkloadShape)
+    engine: str = "vllm"  # what serves the stream: vllm (baseline and nexuskv runs) or reference (nexuskv only)
     workers: int = 2
     model_dir: Path | None = None  # None: a random Llama of ``model_size``
     model_size: str = "replay"
-    engine_blocks: int = 160  # each engine's own KV cache, in blocks of ``block_size`` tokens
+    engine_blocks: int = 160  # each engine's own KV cache (the reference engine's page pool), in blocks
     block_size: int = 32
     tenant: str = "default"
     save_tier: str = "disk"
-    runs: tuple[str, ...] = RUNS
+    runs: tuple[str, ...] = ()  # empty: every run of the engine (vllm: baseline, nexuskv; reference: nexuskv)
     start_timeout_s: float = 600.0
     model_cache: Path | None = None  # where random models are written (default: ~/.cache/nexuskv/models)
     dtype: str | None = None  # vLLM's --dtype; None: the random model's own (float32), auto for --model
-    trace_to: str | None = None  # OTLP/HTTP base URL every process of both runs exports its spans to
+    trace_to: str | None = None  # OTLP/HTTP base URL every process of both runs exports its spans to (vllm)
+    variant: str = "gqa"  # reference engine: its attention, gqa, mla or hybrid (recurrent checkpoints)
+    host_bytes: int = 32 << 20  # reference engine: each engine's host tier
 
     @property
     def engine_dtype(self) -> str:
@@ -65,8 +81,15 @@ class ReplayConfig:
         return SIZES[self.model_size].dtype if self.model_dir is None else "auto"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", f"one of {ENGINES} (got {self.engine!r})")
         if self.workers < 1:
             raise ConfigError("workers", "at least one engine")
+        if not self.runs:
+            object.__setattr__(self, "runs", RUNS if self.engine == "vllm" else REFERENCE_RUNS)
+        if self.engine == "reference":
+            self._check_reference()
+            return
         if self.model_dir is None and self.model_size not in SIZES:
             raise ConfigError("model_size", f"one of {sorted(SIZES)}, or give a model folder")
         unknown = set(self.runs) - set(RUNS)
@@ -77,6 +100,24 @@ class ReplayConfig:
         if self.shape.max_prompt_tokens + self.shape.max_output_tokens > self.engine_blocks * self.block_size:
             raise ConfigError("engine_blocks", f"{self.engine_blocks} blocks of {self.block_size} tokens cannot hold "
                                                f"one prompt of {self.shape.max_prompt_tokens} tokens and its output")
+
+    def _check_reference(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError("variant", f"one of {VARIANTS} (got {self.variant!r})")
+        if tuple(self.runs) != REFERENCE_RUNS:
+            raise ConfigError("runs", f"the reference engine replays one run, {REFERENCE_RUNS} (got {self.runs})")
+        if self.trace_to is not None:
+            raise ConfigError("trace_to", "traces the vLLM replay's runs; not the reference engine's")
+
+    @property
+    def workload_shape(self) -> WorkloadShape:
+        """The shape the workload is built with: the reference engine's tokens stay below its vocabulary."""
+        if self.engine != "reference":
+            return self.shape
+        from streams.app.replay.reference_run import reference_spec
+
+        vocab = reference_spec(self.variant, self.block_size).vocab_size
+        return replace(self.shape, vocab=min(self.shape.vocab, vocab))
 
     @property
     def db(self) -> Path:
@@ -92,8 +133,8 @@ class ReplayOutcome:
     replay_id: str
     db: Path
     workload: Workload
-    model_dir: Path
-    runs: dict[str, RunResult]
+    model_dir: Path | None  # None: the reference engine
+    runs: dict[str, RunResult | ReferenceRunResult]
     wall_s: float
 
 
@@ -142,27 +183,38 @@ def _bar(total: int, enabled: bool, desc: str) -> Iterator[Callable[[int], None]
 
 def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = True,
                say: Callable[[str], None] = print) -> ReplayOutcome:
-    """Both runs of the replay, one after the other; every request lands in ``config.db``, and with
-    ``config.trace_to`` each request of both runs is one trace there (its id in ``replay_requests``)."""
-    version = vllm_available()
-    if version is None:
-        raise ConfigError("engine", "vLLM is not installed: run `bash infra/engines/install_vllm.sh` "
-                                    "(or replay on the reference engine: --engine reference)")
+    """The replay's runs, one after the other; every request lands in ``config.db``. On vLLM, the
+    baseline and NexusKV runs, each request in ``replay_requests`` with its run (and with
+    ``config.trace_to`` each request of both runs is one trace there); on the reference engine, one
+    NexusKV run, its records under request ids ``<replay id>/<request id>``."""
+    version = None
+    if config.engine == "vllm":
+        version = vllm_available()
+        if version is None:
+            raise ConfigError("engine", "vLLM is not installed: run `bash infra/engines/install_vllm.sh` "
+                                        "(or replay on the reference engine: --engine reference)")
     started = time.monotonic()
     config.out.mkdir(parents=True, exist_ok=True)
-    workload = build_workload(load_trace(config.trace), config.shape)
+    workload = build_workload(load_trace(config.trace), config.workload_shape)
     if not workload.requests:
         raise ConfigError("trace", f"no request of {config.trace} fits the selection")
     say(f"nexuskv replay: {workload.describe()}")
-    model_dir = _model_dir(config)
+    model_dir = _model_dir(config) if config.engine == "vllm" else None
     replay_id = f"replay-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     store = DecisionStore(config.db)
-    results: dict[str, RunResult] = {}
+    results: dict[str, RunResult | ReferenceRunResult] = {}
     tracing = ReplayTracing.start(config.trace_to, replay_id)
     if tracing.enabled:
         say(f"nexuskv replay: tracing every request of both runs to {config.trace_to}")
     try:
         for run in config.runs:
+            if config.engine == "reference":
+                from streams.app.replay.reference_run import run_reference
+
+                say(f"nexuskv replay: run {run!r}: {config.workers} {config.variant} reference engines")
+                with _bar(len(workload.requests), progress, run) as bar:
+                    results[run] = run_reference(config, workload, settings, store, replay_id, bar, say=say)
+                continue  # one run, nothing to compare: no replay_requests rows
             say(f"nexuskv replay: run {run!r}: {config.workers} vLLM {version} engines serving {model_dir.name}")
             with _bar(len(workload.requests), progress, run) as bar:
                 if run == "baseline":

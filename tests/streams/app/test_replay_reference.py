@@ -1,5 +1,6 @@
-"""``nexuskv replay``, end to end through the embedded broker: engines, index worker, calibration,
-planner, executors and sink; the DuckDB file holds one decision per request and every view answers."""
+"""``nexuskv replay --engine reference``: the replay's engine choice, and its run end to end through the
+embedded broker (engines, index worker, calibration, planner, executors and sink); the DuckDB file
+holds one decision per request and every view answers."""
 
 from __future__ import annotations
 
@@ -12,20 +13,37 @@ import duckdb
 import pytest
 
 from analytics.schema import ALL_VIEWS, REPLAY_VIEWS
-from streams.app.replay_reference import select_requests
+from nexuskv.errors import ConfigError
+from streams.app.replay.session import ReplayConfig
+from streams.app.replay.workload import WorkloadShape, build_workload
 from streams.app.traces import load_trace
 
 from benchmarks.trace_events import CONVERSATION_SLICE
 
 
-def test_conversation_selection_keeps_every_turn_in_time_order():
+def test_the_engine_chooses_the_runs_and_the_reference_takes_only_its_own(tmp_path):
+    vllm = ReplayConfig(trace=tmp_path / "t.jsonl", out=tmp_path)
+    ref = ReplayConfig(trace=tmp_path / "t.jsonl", out=tmp_path, engine="reference", engine_blocks=48)
+    assert vllm.runs == ("baseline", "nexuskv") and ref.runs == ("nexuskv",)  # 48 blocks hold no vLLM prompt
+    for bad, field in (({"engine": "sglang"}, "engine"), ({"engine": "reference", "runs": ("baseline",)}, "runs"),
+                       ({"engine": "reference", "variant": "mamba"}, "variant"),
+                       ({"engine": "reference", "trace_to": "http://127.0.0.1:4318"}, "trace_to")):
+        with pytest.raises(ConfigError) as err:
+            ReplayConfig(trace=tmp_path / "t.jsonl", out=tmp_path, **bad)
+        assert err.value.field == field
+
+
+def test_the_reference_engine_replays_the_same_workload_below_its_vocabulary(tmp_path):
     trace = load_trace(CONVERSATION_SLICE)
-    picked = select_requests(trace, 1000, conversations=8)
-    keys = {r.hash_ids[1] for r in picked}
-    assert len(keys) == 8
-    assert [r.timestamp_ms for r in picked] == sorted(r.timestamp_ms for r in picked)
-    assert all(sum(1 for r in picked if r.hash_ids[1] == k) >= 2 for k in keys)
-    assert select_requests(trace, 5) == trace[:5]
+    shape = WorkloadShape(max_requests=60, conversations=8)
+    vllm = build_workload(trace, ReplayConfig(trace=CONVERSATION_SLICE, out=tmp_path, shape=shape).workload_shape)
+    config = ReplayConfig(trace=CONVERSATION_SLICE, out=tmp_path, shape=shape, engine="reference")
+    ref = build_workload(trace, config.workload_shape)
+    assert config.workload_shape.vocab == 256 < shape.vocab  # the reference model's vocabulary
+    assert [(r.seq, r.arrival_s, r.conversation, len(r.tokens)) for r in ref.requests] == [
+        (r.seq, r.arrival_s, r.conversation, len(r.tokens)) for r in vllm.requests]
+    assert all(4 <= t < 256 for r in ref.requests for t in r.tokens)
+    assert len({r.conversation for r in ref.requests}) == 8
 
 
 @pytest.mark.tansu
@@ -38,7 +56,8 @@ def test_short_reference_replay_end_to_end(tmp_path):
          "--conversations", "12", "--workers", "2", "--gpu-pages", "48", "--time-scale", "30", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    expected = len(select_requests(load_trace(CONVERSATION_SLICE), 200, conversations=12))
+    expected = len(build_workload(load_trace(CONVERSATION_SLICE), WorkloadShape(max_requests=200,
+                                                                                conversations=12)).requests)
     assert f"{expected}/{expected}" in done.stderr  # the progress bar (the README's command shows it) ran to the end
     con = duckdb.connect(str(out / "decisions.duckdb"), read_only=True)
     try:

@@ -32,3 +32,16 @@ def test_equal_hash_ids_give_equal_token_prefixes_and_the_caps_hold():
     assert min(rb.tokens) >= 4 and max(rb.tokens) < shape.vocab  # the models' special ids are never sent
     assert rb.arrival_s == 0.1  # 1 s of trace time / time scale 10, under the gap cap
     assert build_workload([a, b], shape).requests == w.requests  # deterministic
+
+
+def test_conversations_take_every_turn_of_the_first_n_in_time_order():
+    trace = load_trace(CONVERSATION_SLICE)
+    w = build_workload(trace, WorkloadShape(max_requests=1000, conversations=8))
+    keys = {r.conversation for r in w.requests}
+    assert len(keys) == 8
+    assert [r.arrival_s for r in w.requests] == sorted(r.arrival_s for r in w.requests)
+    assert all(sum(1 for r in w.requests if r.conversation == k) >= 2 for k in keys)
+    turns = {k: sum(1 for t in trace if len(t.hash_ids) > 1 and t.hash_ids[1] == k) for k in keys}
+    assert len(w.requests) == sum(turns.values())  # every turn of each
+    first = build_workload(trace, WorkloadShape(max_requests=5, follow_ups=False))
+    assert [r.seq for r in first.requests] == [0, 1, 2, 3, 4] and first.skipped == len(trace) - 5

@@ -1,33 +1,35 @@
-"""``nexuskv replay TRACE --engine reference``: a Mooncake trace on NexusKV's reference engine.
+"""The replay's run on NexusKV's reference engine (``nexuskv replay TRACE --engine reference``).
 
 The engine for the attention families vLLM's CPU build cannot run (``--reference-variant mla`` or
-``hybrid``, recurrent checkpoints); one run, no baseline (the vLLM replay, :mod:`streams.app.replay`,
-is the measurement of what NexusKV is for).
+``hybrid``, recurrent checkpoints); one run, ``nexuskv``, no baseline (the vLLM replay is the
+measurement of what NexusKV is for). The request stream is the replay's own
+(:mod:`~streams.app.replay.workload`: the same selection, the same trace-to-token function, the
+same arrivals), its tokens drawn below the reference model's vocabulary.
 
 What runs (all on one bus — the embedded broker unless ``NEXUSKV_BROKER`` names one):
 
 * **services, as their own processes** — the index stream worker, the remote tier, the
   calibration agent and the planner service (with its in-process index replica), exactly as
-  ``nexuskv up`` starts them;
-* **engines, in this process** — ``--workers`` reference engines (:mod:`nexuskv.reference_engine`, the
-  tiny GQA transformer), each with its own device-tier stand-in and host tier, all sharing the
-  remote tier, each with a transfer executor (:mod:`streams.transfer_executor`) that moves real
-  tensors between those tiers on the planner's transfer commands. Engines publish their
+  ``nexuskv up`` starts them (their logs under ``<out>/logs``);
+* **engines, in this process** — ``workers`` reference engines (:mod:`nexuskv.reference_engine`,
+  the tiny transformer of ``variant``), each with its own device-tier stand-in and host tier, all
+  sharing the remote tier, each with a transfer executor (:mod:`streams.transfer_executor`) that
+  moves real tensors between those tiers on the planner's transfer commands. Engines publish their
   lifecycle events and prefill observations (labelled with the request id) to the bus;
 * **the decision sink, in this process** — :class:`~streams.sink.DecisionSink` writing
-  ``nexuskv.decisions``, ``nexuskv.transfer-results`` and ``nexuskv.observations`` into DuckDB.
+  ``nexuskv.decisions``, ``nexuskv.transfer-results`` and ``nexuskv.observations`` into the
+  replay's decision store.
 
-For each request, in trace order: its prompt (each 512-token hash id of the trace becomes
-``hash_block_tokens`` deterministic tokens, so prefix sharing is kept and prompts shrink 16x),
-its canonical keys, and the engines' current load go to the planner as a plan request; the
-decision comes back; the chosen engine waits for its transfer when the plan moves state, loads
-what arrived, prefills (its own prefix cache applies as an engine's would), and offloads the
-prompt's blocks to its host tier and the shared remote tier. Each request is one trace.
+For each request, in stream order: its tokens, their canonical keys, and the engines' current load
+go to the planner as a plan request; the decision comes back; the chosen engine waits for its
+transfer when the plan moves state, loads what arrived, prefills (its own prefix cache applies as
+an engine's would), and offloads the prompt's blocks to its host tier and the shared remote tier.
+Each request is one trace. Warm-up requests are served like the others (they only mark figures).
 
-Time: arrivals follow the trace's timestamps divided by ``time_scale`` on a *virtual* clock;
-each engine's queue is virtual too (it is busy for the prefill and transfer times it really
-took), and the planner sees it as ``queued_prefill_tokens``. Everything else — planning,
-transfers, prefill — runs for real.
+Time: arrivals are the workload's (trace time divided by ``time_scale``, long gaps shortened) on a
+*virtual* clock; each engine's queue is virtual too (it is busy for the prefill and transfer times
+it really took), and the planner sees it as ``queued_prefill_tokens``. Everything else —
+planning, transfers, prefill — runs for real.
 """
 
 from __future__ import annotations
@@ -37,11 +39,8 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import numpy as np
 
 from analytics.store import DecisionStore
 from nexuskv.config import BrokerUrl, Settings
@@ -58,60 +57,63 @@ from nexuskv.errors import NexusKVError
 from nexuskv.profiles import REFERENCE_CPU
 from nexuskv.reference_engine.engine import ReferenceEngine
 from nexuskv.reference_engine.spec import ReferenceModelSpec
-from streams.app.traces import TraceRequest, load_trace
+from streams.app.replay.workload import ReplayRequest, Workload
+from streams.app.services import SERVICES, start_services
+from streams.bus.broker import open_bus
 from streams.bus.clients import make_consumer, make_producer, send
 from streams.bus.runtime_publisher import BusPublisher
+from streams.bus.topics import ensure_topics
 from streams.bus.tracing import tracer
+from streams.remote_tier import local_address
 from streams.sink import DecisionSink
 from streams.transfer_executor import TransferService
 
-__all__ = ["ReplayConfig", "ReplayResult", "run_replay", "REPLAY_SERVICES"]
+__all__ = ["SERVICE_NAMES", "ReferenceRunResult", "reference_spec", "run_reference"]
 
-#: The stream workers a replay starts as processes (the rest runs in the replay's process).
-REPLAY_SERVICES = ("index-worker", "remote-tier", "calibration", "planner")
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayConfig:
-    trace: Path
-    db: Path
-    requests: int = 200
-    workers: int = 4
-    time_scale: float = 10.0  # virtual arrivals = trace time / time_scale
-    hash_block_tokens: int = 32  # tokens per 512-token hash id of the trace
-    max_prompt_tokens: int = 2048
-    gpu_pages: int = 160  # each engine's page pool, in blocks of block_size tokens
-    host_bytes: int = 32 << 20
-    block_size: int = 16
-    decision_timeout_s: float = 60.0  # the first plan waits for the services to join their groups
-    tenant: str = "default"
-    conversations: int = 0  # > 0: only the first N multi-turn conversations (every turn), in time order
-    variant: str = "gqa"  # the reference engine's attention: gqa, mla or hybrid (recurrent checkpoints)
+#: The stream workers the reference run starts as processes (the rest runs in the replay's process).
+SERVICE_NAMES = ("index-worker", "remote-tier", "calibration", "planner")
+FIRST_DECISION_TIMEOUT_S = 60.0  # the first plan waits for the services to join their groups
+DECISION_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
-class ReplayResult:
+class ReferenceRunResult:
+    """The reference run's figures (its records are in the decision store)."""
+
+    name: str = "nexuskv"
     requests: int = 0
     decisions: int = 0
     actions: Counter = field(default_factory=Counter)
     transfers: Counter = field(default_factory=Counter)
     reused_tokens: int = 0
     prompt_tokens: int = 0
-    mean_ttft_s: float = 0.0
+    mean_ttft_s: float = 0.0  # on the virtual clock
     wall_s: float = 0.0
-    db: Path | None = None
+
+    def describe(self) -> str:
+        return (f"{self.requests} requests, {self.decisions} decided in {self.wall_s:.1f}s; actions "
+                f"{dict(self.actions)}; transfers {dict(self.transfers)}; reused {self.reused_tokens} of "
+                f"{self.prompt_tokens} prompt tokens; mean virtual TTFT {self.mean_ttft_s * 1000:.1f} ms")
+
+
+def reference_spec(variant: str, block_size: int) -> ReferenceModelSpec:
+    if variant == "mla":
+        return ReferenceModelSpec.mla(block_size=block_size)
+    if variant == "hybrid":
+        return ReferenceModelSpec.hybrid(block_size=block_size, checkpoint_interval=4 * block_size)
+    return ReferenceModelSpec.gqa(block_size=block_size)
 
 
 class _Engine:
     """One simulated serving worker: a reference engine, its tiers and its transfer executor."""
 
-    def __init__(self, index: int, spec: ReferenceModelSpec, config: ReplayConfig, remote: str, publisher: BusPublisher,
+    def __init__(self, index: int, spec: ReferenceModelSpec, config, remote: str, publisher: BusPublisher,
                  url: BrokerUrl) -> None:
         self.runtime = ReferenceEngine(spec, worker=f"w{index}", tenant_namespace=config.tenant,
-                                        num_pages=config.gpu_pages, profile=REFERENCE_CPU, publisher=publisher)
+                                       num_pages=config.engine_blocks, profile=REFERENCE_CPU, publisher=publisher)
         self.name = self.runtime.publisher_id
         block_bytes = max(1, self.runtime.describe().state_bytes(spec.block_size))
-        self.device = DeviceMemoryBackend(config.gpu_pages * block_bytes * 4, label=f"{self.name}-device")
+        self.device = DeviceMemoryBackend(config.engine_blocks * block_bytes * 4, label=f"{self.name}-device")
         self.host = HostMemoryBackend(config.host_bytes, label=f"{self.name}-host", pin=False)
         self.remote = RemoteBackend.connect(remote, wait_s=30.0, label="shared-remote")
         self.catalog = BackendCatalog(self.name, [self.device, self.host, self.remote])
@@ -137,7 +139,7 @@ class _Engine:
 
 
 class _Outcomes:
-    """Decisions and transfer results of this replay's requests, as they arrive."""
+    """Decisions and transfer results of this run's requests, as they arrive."""
 
     def __init__(self) -> None:
         self.decisions: dict[str, Decision] = {}
@@ -178,76 +180,44 @@ class _Outcomes:
         return found
 
 
-def select_requests(trace: list[TraceRequest], limit: int, conversations: int = 0) -> list[TraceRequest]:
-    """The first ``limit`` requests, or every turn of the first ``conversations`` multi-turn ones.
-
-    A conversation is keyed by its second hash id (the first is the trace's shared system
-    prompt). In the conversation trace a follow-up turn arrives minutes after its first, so the
-    first few hundred requests hold almost no multi-turn reuse; taking the first N
-    conversations that have two or more turns, with all their turns in time order, gives a short
-    replay that exercises reuse, routing and transfers — and compresses time, since the other
-    requests between the turns are dropped.
-    """
-    if conversations <= 0:
-        return trace[:limit]
-    turns: dict[int, int] = {}
-    for r in trace:
-        if len(r.hash_ids) > 1:
-            turns[r.hash_ids[1]] = turns.get(r.hash_ids[1], 0) + 1
-    chosen: list[int] = []
-    for r in trace:
-        key = r.hash_ids[1] if len(r.hash_ids) > 1 else None
-        if key is not None and turns[key] >= 2 and key not in chosen and len(chosen) < conversations:
-            chosen.append(key)
-    keep = set(chosen)
-    return [r for r in trace if len(r.hash_ids) > 1 and r.hash_ids[1] in keep][:limit]
+def run_reference(config, workload: Workload, settings: Settings, store: DecisionStore, replay_id: str,
+                  progress: Callable[[int], None], *, say: Callable[[str], None] = print) -> ReferenceRunResult:
+    """The reference run of ``workload``: the bus, its topics and the services started here, stopped at
+    the end; every request's records in ``store`` (request ids ``<replay_id>/<request id>``)."""
+    local = settings.model_copy(update={"data_dir": config.out})
+    remote = local_address()
+    services = tuple(s for s in SERVICES if s.name in SERVICE_NAMES)
+    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+        asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
+        say(f"nexuskv replay: {config.workers} {config.variant} reference engines on {url}")
+        env = {"NEXUSKV_REMOTE_TIER": remote, "NEXUSKV_DATA_DIR": str(config.out)}
+        with start_services(url, local, services=services, env=env):
+            return asyncio.run(_serve(config, workload, url, remote, store, replay_id, progress))
 
 
-def _spec(config: ReplayConfig) -> ReferenceModelSpec:
-    if config.variant == "mla":
-        return ReferenceModelSpec.mla(block_size=config.block_size)
-    if config.variant == "hybrid":
-        return ReferenceModelSpec.hybrid(block_size=config.block_size, checkpoint_interval=4 * config.block_size)
-    return ReferenceModelSpec.gqa(block_size=config.block_size)
-
-
-def _tokens(request: TraceRequest, per_hash: int, vocab: int, limit: int) -> list[int]:
-    """Deterministic tokens: each hash id's tokens come from a generator seeded with the id."""
-    out: list[int] = []
-    for h in request.hash_ids:
-        out.extend(np.random.default_rng(h).integers(0, vocab, per_hash).tolist())
-    n = min(len(out), max(1, request.input_length * per_hash // 512), limit)
-    return out[:n]
-
-
-async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progress: bool = True) -> ReplayResult:
-    """Replay ``config.requests`` requests of the trace; the services must already be running."""
-    spec = _spec(config)
-    requests = select_requests(load_trace(config.trace), config.requests, config.conversations)
-    prefix = f"replay-{uuid.uuid4().hex[:8]}"
-    producer = make_producer(url, client_id=prefix)
+async def _serve(config, workload: Workload, url: BrokerUrl, remote: str, store: DecisionStore, replay_id: str,
+                 progress: Callable[[int], None]) -> ReferenceRunResult:
+    spec = reference_spec(config.variant, config.block_size)
+    prefix = f"{replay_id}/"
+    producer = make_producer(url, client_id=replay_id)
     await producer.start()
     publisher = BusPublisher(producer)
     engines = [_Engine(i, spec, config, remote, publisher, url) for i in range(config.workers)]
-    store = DecisionStore(config.db)
-    sink = DecisionSink(url, store, group_id=f"{prefix}-sink", flush_interval_s=0.25)
+    sink = DecisionSink(url, store, group_id=f"{replay_id}-sink", flush_interval_s=0.25)
     outcomes = _Outcomes()
     stop = asyncio.Event()
     tasks = [asyncio.create_task(e.executor.run(stop)) for e in engines]
     tasks += [asyncio.create_task(sink.run(stop)), asyncio.create_task(outcomes.follow(url, prefix))]
-    result = ReplayResult(db=config.db)
+    result = ReferenceRunResult()
     started = time.monotonic()
     ttfts: list[float] = []
     try:
         await asyncio.wait_for(asyncio.gather(*(e.executor.ready.wait() for e in engines)), 60)
-        t0 = requests[0].timestamp_ms if requests else 0
-        with _progress(len(requests), progress) as bar:
-            for i, request in enumerate(requests):
-                ttft = await _serve_one(i, request, config, spec, engines, producer, publisher, outcomes, prefix,
-                                        (request.timestamp_ms - t0) / 1000.0 / config.time_scale, result)
-                ttfts.append(ttft)
-                bar(1)
-        await _wait_stored(store, len(requests), prefix,
+        for i, request in enumerate(workload.requests):
+            ttfts.append(await _serve_one(i == 0, request, spec, engines, producer, publisher, outcomes,
+                                          f"{prefix}{request.request_id}", result))
+            progress(1)
+        await _wait_stored(store, len(workload.requests), prefix,
                            sum(v for k, v in result.transfers.items() if k != "no-result"))
     finally:
         stop.set()
@@ -259,30 +229,28 @@ async def run_replay(config: ReplayConfig, url: BrokerUrl, remote: str, *, progr
             e.remote.close()
         await producer.stop()
         result.decisions = store.query(f"SELECT count(DISTINCT request_id) FROM decisions "
-                                       f"WHERE request_id LIKE '{prefix}-%'")[0][0]
-        store.close()
-    result.requests = len(requests)
+                                       f"WHERE request_id LIKE '{prefix}%'")[0][0]
+    result.requests = len(workload.requests)
     result.mean_ttft_s = sum(ttfts) / len(ttfts) if ttfts else 0.0
     result.wall_s = time.monotonic() - started
     return result
 
 
-async def _serve_one(i: int, request: TraceRequest, config: ReplayConfig, spec: ReferenceModelSpec, engines: list[_Engine],
-                     producer, publisher: BusPublisher, outcomes: _Outcomes, prefix: str, arrival_v: float,
-                     result: ReplayResult) -> float:
-    tokens = _tokens(request, config.hash_block_tokens, spec.vocab_size, config.max_prompt_tokens)
+async def _serve_one(first: bool, request: ReplayRequest, spec: ReferenceModelSpec, engines: list[_Engine], producer,
+                     publisher: BusPublisher, outcomes: _Outcomes, rid: str, result: ReferenceRunResult) -> float:
+    tokens = list(request.tokens)
+    arrival_v = request.arrival_s
     keys = engines[0].runtime.block_keys(tokens)
-    rid = f"{prefix}-{i:06d}"
     candidates = tuple(WorkerLoad(worker=e.name, queued_prefill_tokens=e.backlog_tokens(arrival_v),
                                   profile=REFERENCE_CPU) for e in engines)
     with tracer("replay").start_as_current_span("replay.request", attributes={
             "nexuskv.service": "replay", "nexuskv.request_id": rid, "nexuskv.prompt_tokens": len(tokens)}):
         plan = PlanRequest(request_id=rid, scope=engines[0].runtime.scope, block_size=spec.block_size,
                            prompt_tokens=len(tokens), keys=tuple(keys), arrival_at=time.time(),
-                           candidates=candidates, expected_output_tokens=request.output_length,
+                           candidates=candidates, expected_output_tokens=request.output_tokens,
                            workload="conversation", descriptor=engines[0].runtime.describe())
         await send(producer, PLAN_REQUESTS, rid, plan)
-        wait_s = config.decision_timeout_s if i == 0 else 30.0
+        wait_s = FIRST_DECISION_TIMEOUT_S if first else DECISION_TIMEOUT_S
         decision = await outcomes.wait(lambda: outcomes.decisions.get(rid), wait_s)
         if decision is None:
             raise NexusKVError(f"replay: no decision for {rid} within {wait_s:.0f}s (is the planner running?)")
@@ -312,9 +280,9 @@ async def _serve_one(i: int, request: TraceRequest, config: ReplayConfig, spec: 
 
 async def _wait_stored(store: DecisionStore, n: int, prefix: str, transfers: int, timeout_s: float = 60.0) -> None:
     """Until the sink has stored every request's decision and prefill observation, and every
-    transfer result the replay saw: the run's records are complete before the services stop."""
+    transfer result the run saw: the run's records are complete before the services stop."""
     deadline = time.monotonic() + timeout_s
-    like = f"LIKE '{prefix}-%'"
+    like = f"LIKE '{prefix}%'"
     sql = (f"SELECT (SELECT count(DISTINCT request_id) FROM decisions WHERE request_id {like}), "
            f"(SELECT count(DISTINCT request_id) FROM observations WHERE kind = 'prefill' AND request_id {like}), "
            f"(SELECT count(DISTINCT request_id) FROM transfer_results WHERE request_id {like})")
@@ -323,19 +291,3 @@ async def _wait_stored(store: DecisionStore, n: int, prefix: str, transfers: int
         if decided >= n and observed >= n and moved >= transfers:
             return
         await asyncio.sleep(0.25)
-
-
-@contextlib.contextmanager
-def _progress(total: int, enabled: bool) -> Iterator:
-    if not enabled:
-        yield lambda n: None
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, unit="req", desc="replay", dynamic_ncols=True) as bar:
-        yield bar.update
-
-
-def default_replay_dir(settings: Settings) -> Path:
-    return Path(settings.data_dir) / "replays" / time.strftime("%Y%m%d-%H%M%S")
-
