@@ -6,13 +6,14 @@ tiers they write; the **service** is :mod:`streams.tier_manager` (``python -m
 streams.tier_manager``, one process per worker), which runs one of these beside the transfer
 executor and connects it to the bus (:class:`streams.tier_manager.TierBus`).
 
-The manager is a thin facade over its parts, wired here under one lock:
+The manager is a thin facade over three parts, wired here under one lock:
 
 * the **ledger** (:mod:`.tier_ledger`, pure: no I/O, no clock reads, no threads) — what is where,
   pins, reservations, leases, the counters and the drop log;
 * the **mover** (:mod:`.tier_mover`) — the only code doing I/O on the backends: evictions,
   demotion copies, deletes, a save's writes, reads;
-* the facts: the kv-events of every change, in order (the fact sink), and the tier-state facts.
+* the **announcer** (:mod:`.tier_announcer`) — the kv-events of every change, in order, and the
+  tier-state facts (usage and price).
 
 The facade decides the order (admission, then the writes, then the record), holds the lock and
 passes the clock's time to the ledger.
@@ -89,8 +90,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +99,7 @@ from nexuskv.admission import ByUtility, EvictionPolicy, Resident, ReuseModel, d
 from nexuskv.dataplane.backend import Reservation, TierBackend, host_view
 from nexuskv.dataplane.catalog import TIER_ORDER, BackendCatalog
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
+from nexuskv.dataplane.tier_announcer import TierAnnouncer, TierUsage
 from nexuskv.dataplane.tier_facts import BlockIdentity, FactSink, TierChange, TierFacts
 from nexuskv.dataplane.tier_ledger import GainFn, Held, HintEffect, LedgerBlock, PinOutcome, TierLedger
 from nexuskv.dataplane.tier_mover import TierMover
@@ -133,28 +135,9 @@ class SaveOutcome:
         return self.refused == 0 and self.failed == 0
 
 
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    """One managed tier's state; bytes unless named otherwise."""
-
-    worker: str
-    tier: Tier
-    backend: str
-    capacity_bytes: int
-    used_bytes: int  # payload bytes stored (the backend's count)
-    reserved_bytes: int  # set aside for prefetches and copies landing
-    pinned_bytes: int  # stored bytes under a pin
-    in_flight_bytes: int  # bytes of copies landing now (part of reserved)
-    blocks: int
-    unannounced_blocks: int
-    price_s_per_gib: float
-    price_bytes: int  # the copy size the price is for
-    counters: Mapping[str, int] = field(default_factory=dict)
-
-
 class TierManager:
     """The capacity authority of one worker's tiers, in the process that writes them (see the module
-    docstring): the facade over its ledger and mover."""
+    docstring): the facade over its ledger, mover and announcer."""
 
     def __init__(self, catalog: BackendCatalog, *, publisher: str | None = None,
                  facts: FactSink | None = None, policy: EvictionPolicy | None = None,
@@ -183,6 +166,7 @@ class TierManager:
         self.ledger = TierLedger(self._managed, reuse=reuse or ReuseModel(), gains=gains, pin_fraction=pin_fraction,
                                  tenant_pin_quota=tenant_pin_quota, lease_s=lease_s, drop_log=drop_log)
         self.mover = TierMover(self.ledger, self._managed, policy=self.policy, slack=slack)
+        self.announcer = TierAnnouncer(self.facts, worker=self.worker)
         self.mover.leftovers(clock())
 
     # The ledger's settings and records, as the manager always exposed them.
@@ -226,19 +210,8 @@ class TierManager:
 
     def usage(self) -> tuple[TierUsage, ...]:
         now = self.clock()
-        out = []
         with self._lock:
-            for b in self._managed:
-                state = self.mover.state(b, now)
-                blocks, unannounced, pinned, reserved, landing = self.ledger.counts(b, now)
-                size = self.ledger.price_size(b, b.capacity_bytes)
-                out.append(TierUsage(
-                    worker=self.worker, tier=b.capabilities.tier, backend=b.label, capacity_bytes=b.capacity_bytes,
-                    used_bytes=b.used_bytes(), reserved_bytes=reserved, pinned_bytes=pinned, in_flight_bytes=landing,
-                    blocks=blocks, unannounced_blocks=unannounced,
-                    price_s_per_gib=displacement_price(state, size, now=now), price_bytes=size,
-                    counters=dict(self.ledger.counters)))
-        return tuple(out)
+            return self.announcer.usage(self.ledger, self.mover, now)
 
     def price(self, tier: Tier, nbytes: int) -> float:
         """Seconds of expected gain lost per GiB if ``nbytes`` landed in ``tier`` now."""
@@ -311,7 +284,7 @@ class TierManager:
                     continue
                 todo.append((sb, header, reservation, position or 0))
                 coming[key] = position or 0
-            self._queue(events)
+            self.announcer.queue(events)
         events = []
         written: list[tuple[SaveBlock, PayloadHeader, int]] = []
         for sb, header, reservation, position in todo:  # outside the lock, into the room reserved
@@ -330,7 +303,7 @@ class TierManager:
                 saved += 1
                 nbytes += header.nbytes
                 held.append(sb.key)
-            self._queue(events)
+            self.announcer.queue(events)
         self.flush()
         return SaveOutcome(tier, len(blocks), saved, already, refused, failed, nbytes, tuple(held),
                            tuple(dict.fromkeys(reasons)))
@@ -401,12 +374,12 @@ class TierManager:
                 reservation = backend.reserve(need) if why is None else None
                 if reservation is None:
                     ledger.counters["copies_refused"] += 1
-                    self._queue(events)
+                    self.announcer.queue(events)
                     self.flush()
                     return None, why or f"{backend.label}: {backend.free_bytes()} bytes free, {need} needed"
             ledger.hold(transfer_id, Held(backend, reservation, expires_at, tenant, landing=True))
             ledger.counters["copies_admitted"] += 1
-            self._queue(events)
+            self.announcer.queue(events)
         self.flush()
         return reservation, "admitted"
 
@@ -423,7 +396,7 @@ class TierManager:
                 return
             self.ledger.land(transfer_id, tenant, backend, keys, nbytes, lease_until=lease_until, now=now,
                              events=events)
-            self._queue(events)
+            self.announcer.queue(events)
         self.flush()
 
     def abandon_copy(self, transfer_id: str, backend: TierBackend, keys: Sequence[PayloadKey]) -> None:
@@ -478,7 +451,7 @@ class TierManager:
                 counters["reservations"] += 1
                 counters["reservations_shortened"] += shortened
                 result = None
-            self._queue(events)
+            self.announcer.queue(events)
         self.flush()
         return result
 
@@ -533,7 +506,7 @@ class TierManager:
                             continue  # a prefix parent does not vanish
                         mover.drop(blk, c.backend, events, why="demote hint: no room below", now=now)
                     n += 1
-            self._queue(events)
+            self.announcer.queue(events)
             effect = ledger.effect(n, refused)
         self.flush()
         return effect
@@ -554,7 +527,7 @@ class TierManager:
                     if c.backend.capabilities.tier is tier and ledger.copy_target(blk, c, refused):
                         self.mover.drop(blk, c.backend, events, why="evict hint", now=now)
                         n += 1
-            self._queue(events)
+            self.announcer.queue(events)
             effect = ledger.effect(n, refused)
         self.flush()
         return effect
@@ -580,7 +553,7 @@ class TierManager:
                     if c.backend.capabilities.tier is tier:
                         self.mover.drop(blk, c.backend, changes, why="lost: missing or corrupt", now=now)  # type: ignore[arg-type]
                         n += 1
-            self._queue(changes)
+            self.announcer.queue(changes)
         self.flush()
         return n
 
@@ -598,19 +571,14 @@ class TierManager:
             for blk, backend in garbage:
                 self.mover.drop(blk, backend, events, why="garbage: held, unannounced, lease over", now=now)
             self.ledger.counters["garbage"] += len(garbage)
-            self._queue(events)
+            self.announcer.queue(events)
         self.flush()
         return len(garbage)
 
     # -- facts ------------------------------------------------------------------------------------
 
-    def _queue(self, events: list[TierChange]) -> None:
-        """Hand the changes to the fact sink, in the order they were made (under the ledger's lock)."""
-        if events:
-            self.facts.apply(events)
-
     def flush(self) -> int:
-        return self.facts.flush()
+        return self.announcer.flush()
 
     def close(self) -> None:
         with self._lock:
