@@ -16,7 +16,10 @@ The manager is a thin facade over three parts, wired here under one lock:
   tier-state facts (usage and price).
 
 The facade decides the order (admission, then the writes, then the record), holds the lock and
-passes the clock's time to the ledger.
+passes the clock's time to the ledger. A managed disk tier's folder is locked by its one
+authority (:mod:`.folder_lock`): a second manager over the same folder fails at start with
+:class:`~nexuskv.errors.TierLockedError`, naming the folder and the holder's pid;
+:meth:`TierManager.close` (or the process's exit) lets it go.
 
 :class:`TierManager` owns the capacity of the tiers of one worker that it is given (a
 :class:`~nexuskv.dataplane.catalog.BackendCatalog`; shared tiers such as the remote store are
@@ -98,6 +101,7 @@ import torch
 from nexuskv.admission import ByUtility, EvictionPolicy, Resident, ReuseModel, displacement_price
 from nexuskv.dataplane.backend import Reservation, TierBackend, host_view
 from nexuskv.dataplane.catalog import TIER_ORDER, BackendCatalog
+from nexuskv.dataplane.folder_lock import FolderLock
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
 from nexuskv.dataplane.tier_announcer import TierAnnouncer, TierUsage
 from nexuskv.dataplane.tier_facts import BlockIdentity, FactSink, TierChange, TierFacts
@@ -163,6 +167,16 @@ class TierManager:
         managed = [b for b in catalog.backends if not b.capabilities.shared]
         self._managed = sorted(managed, key=lambda b: TIER_ORDER.index(b.capabilities.tier))
         self._ids = {id(b) for b in self._managed}
+        # One authority per tier folder: a second manager over one of these fails here, naming it.
+        self._locks: list[FolderLock] = []
+        try:
+            for b in self._managed:
+                folder = getattr(b, "folder", None)
+                if folder is not None:
+                    self._locks.append(FolderLock(folder, holder=f"tier manager of worker {self.worker} ({b.label})"))
+        except BaseException:
+            self._unlock()
+            raise
         self.ledger = TierLedger(self._managed, reuse=reuse or ReuseModel(), gains=gains, pin_fraction=pin_fraction,
                                  tenant_pin_quota=tenant_pin_quota, lease_s=lease_s, drop_log=drop_log)
         self.mover = TierMover(self.ledger, self._managed, policy=self.policy, slack=slack)
@@ -581,7 +595,14 @@ class TierManager:
         return self.announcer.flush()
 
     def close(self) -> None:
+        """Give back the room held, send what is queued, and let the tier folders go."""
         with self._lock:
             for h in self.ledger.take_all():
                 h.reservation.release()
         self.flush()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
