@@ -155,3 +155,19 @@ def test_the_pinned_budget_is_the_ledgers_fraction_of_the_room(fraction):
     ledger = _ledger(pin_fraction=fraction)
     state = ledger.state(HOST, Room(8 * BLOCK_BYTES, 0, 8 * BLOCK_BYTES), NOW)
     assert state.budget.max_pinned_bytes == int(8 * BLOCK_BYTES * fraction) and state.residents == ()
+
+
+def test_the_ledger_imports_nothing_that_does_io_reads_a_clock_or_starts_a_thread():
+    import ast
+    from pathlib import Path
+
+    import nexuskv.dataplane.tier_ledger as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert imported <= {"__future__", "collections", "collections.abc", "dataclasses", "typing", "nexuskv.admission",
+                        "nexuskv.dataplane.payload", "nexuskv.dataplane.tier_facts", "nexuskv.descriptor"}, imported
+    # Nor names them: no fact sink (it returns TierChange records), no clock, no thread, no tensor.
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert not names & {"TierFacts", "time", "threading", "os", "torch"}
