@@ -18,6 +18,7 @@
         ├── IntegrityError     payload bytes or header do not match their checksum or address
         ├── ObjectConflictError a store holds another object under a payload's name (nothing saved)
         └── TierUnavailableError a tier's backing store (remote process, folder) cannot be reached
+            └── TierLockedError a tier folder is held by another authority (names folder and holder)
 
 "Not found" is ``None``, never an exception and never ``-1``.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "IntegrityError",
     "ObjectConflictError",
     "TierUnavailableError",
+    "TierLockedError",
 ]
 
 
@@ -142,3 +144,8 @@ class ObjectConflictError(DataPlaneError):
 
 class TierUnavailableError(DataPlaneError):
     """A tier's backing store (the remote tier process, the disk folder) cannot be reached."""
+
+
+class TierLockedError(TierUnavailableError):
+    """A tier folder is held by another authority (a second tier manager on one worker's disk): the
+    message names the folder and the holder's pid where it is known."""

@@ -1,5 +1,11 @@
 """``python -m streams.tier_manager``: the tier manager of one worker, and its transfer executor.
 
+Names: this module is the tier manager **service** (one process per worker, on the bus);
+:class:`~nexuskv.dataplane.tiers.TierManager` is the in-process object it runs, the same one an
+engine adapter builds inside its engine (the in-engine adapter's tier manager). Either is the one
+authority of the tier folder it manages: a second one on the same folder fails at start with
+:class:`~nexuskv.errors.TierLockedError`, naming the folder and the holder's pid.
+
 One process per worker (``NEXUSKV_WORKER``) owns that worker's tiers — device memory (CUDA, or a
 host-memory stand-in that says so), host DRAM and local disk (:func:`~streams.transfer_executor.
 catalog_from_settings`) — through a :class:`~nexuskv.dataplane.tiers.TierManager`, and runs the

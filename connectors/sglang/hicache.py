@@ -507,6 +507,8 @@ def _build_storage_class() -> type:
             self.core.clear()
 
         def close(self) -> None:
+            if self._core is not None:  # its tier manager, and with it the tier folder's lock
+                self._core.close()
             if self._bus is not None:
                 self._bus.stop()
 

@@ -591,6 +591,11 @@ class HiCacheCore:
                 self._delete_payload(canonical)
         self._emit([Cleared(tier=self.tier)])
 
+    def close(self) -> None:
+        """Close the tier manager: what it queued is sent, and its tier folder is free again."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     def pages(self) -> int:
         if self.tiers is not None:
             return len(self.tiers.keys(self.tier))

@@ -229,7 +229,8 @@ class WorkerSide:
         self.held = held or tier_held(catalog, None)
         self.publisher = publisher
         self._identity = publisher_identity(descriptor)
-        if tiers is None and publisher is not None:
+        self._own_tiers = tiers is None and publisher is not None  # built here: closed with this side
+        if self._own_tiers:
             tiers = TierManager(catalog, facts=PublisherSink(publisher), clock=wall)
             bs = descriptor.block_size
             adopted = tiers.adopt([(PayloadKey(descriptor.descriptor_id, b.key, descriptor.layer_groups[0].kv_group),
@@ -743,7 +744,7 @@ class WorkerSide:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop: the writer drains the queue for up to ``timeout_s``; what it could not write is
-        dropped, counted, never announced."""
+        dropped, counted, never announced. The tier manager closes last (its folder is free again)."""
         with self._save_cv:
             self._closing = True
             self._save_cv.notify_all()
@@ -757,6 +758,8 @@ class WorkerSide:
         for scatter in self._releasing:
             scatter.release()
         self._releasing = []
+        if self._own_tiers and self.tiers is not None:
+            self.tiers.close()  # its tier folder's lock goes with it: a restarted worker side takes it
 
 
 def tier_held(catalog: BackendCatalog, disk_root: Path | None) -> Held:

@@ -10,6 +10,12 @@
 * :mod:`~nexuskv.dataplane.catalog` — choosing backends by capability and policy.
 * :mod:`~nexuskv.dataplane.guard` — descriptor compatibility of payloads (refusals with reasons).
 * :mod:`~nexuskv.dataplane.executor` — transfer commands in, honest results and observations out.
+* :mod:`~nexuskv.dataplane.tiers` — ``TierManager``, one worker's tiers under one capacity authority
+  (the in-engine adapter's object; the service is :mod:`streams.tier_manager`): a facade over
+  :mod:`~nexuskv.dataplane.tier_ledger` (pure: what is where, pins, reservations, leases),
+  :mod:`~nexuskv.dataplane.tier_mover` (the only I/O on backends) and
+  :mod:`~nexuskv.dataplane.tier_announcer` (kv-events and tier state); a managed folder is locked by
+  :mod:`~nexuskv.dataplane.folder_lock`.
 * :mod:`~nexuskv.dataplane.cuda` — streams, pinned staging and events, used only with CUDA.
 
 Torch is imported here (and in :mod:`nexuskv.reference_engine`) and nowhere else in the core.

@@ -24,6 +24,7 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,9 @@ class TierBackend(ABC):
     #: True when commit itself verifies the bytes against the header's checksum before storing
     #: (the remote backend does, before sending): the executor then does not hash them a second time.
     verifies_on_commit = False
+    #: The folder this backend keeps its payloads in (the disk tier), None for memory and remote
+    #: tiers: the tier manager that manages it locks it (:mod:`nexuskv.dataplane.folder_lock`).
+    folder: Path | None = None
 
     def __init__(self, *, label: str, capacity_bytes: int, capabilities: Capabilities) -> None:
         if capacity_bytes < 0:

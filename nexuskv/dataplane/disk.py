@@ -80,6 +80,10 @@ class DiskBackend(StagedBackend):
         self._folders: dict[tuple[str, int], str] = {}
         self._scan()
 
+    @property
+    def folder(self) -> Path:  # type: ignore[override]
+        return self.root
+
     def path(self, key: PayloadKey) -> Path:
         """The file that holds (or would hold) ``key``."""
         return Path(self._file(key))

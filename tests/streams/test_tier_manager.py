@@ -202,6 +202,24 @@ def test_build_takes_the_hint_bounds_from_settings(tmp_path):
         manager.close()
 
 
+def test_the_service_does_not_start_on_a_worker_folder_another_tier_manager_holds(tmp_path):
+    """The service and an engine adapter of one worker share its disk folder's path: the second
+    authority fails at start, naming the folder, and starts once the first has closed."""
+    from nexuskv.dataplane.folder_lock import FolderLock
+    from nexuskv.errors import TierLockedError
+
+    settings = Settings.from_env({"NEXUSKV_DATA_DIR": str(tmp_path), "NEXUSKV_WORKER": "w0"})
+    folder = tmp_path / "tiers" / "w0" / "disk"
+    engine_side = FolderLock(folder, holder="the vLLM connector's worker side of w0")
+    with pytest.raises(TierLockedError, match="the vLLM connector's worker side of w0") as err:
+        build(settings, publish=lambda b: None)
+    assert str(folder) in str(err.value)
+    engine_side.release()
+    manager, executor = build(settings, publish=lambda b: None)
+    executor.close()
+    manager.close()
+
+
 class _SlowDevice(DeviceMemoryBackend):
     """A device tier whose commits take a while, so a copy is still running when its cancel comes."""
 
