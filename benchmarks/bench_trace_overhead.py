@@ -7,7 +7,16 @@ spans, the planner's, the decision sink's, vLLM's request spans and the connecto
 order alternates between pairs (off then on, on then off, ...) so that a drift of the shared
 machine's load does not favour one side. The figure is the traced run's mean TTFT over the
 measured requests; its baseline the untraced run's in the same pair; the ratio is the median of
-the per-pair ratios (goal: <= 1.02).
+the per-pair ratios (goal: <= 1.02). Each run records the machine's 1-minute load average when it
+starts and ends (``load_1m_start``, ``load_1m``): the machine is shared, and the figure is only as
+good as the load was even.
+
+Each traced run's traces are also checked in Jaeger (``trace_check`` of its row), over every request
+of the run: the traces found (one per request), orphan spans (a span whose parent is not in its
+trace), split traces (a span naming a request of the run, by NexusKV's request id or vLLM's
+``gen_ai.request.id``, in any trace of any service other than that request's, traces rooted in
+another replay excepted: those name the same request ids), and the requests
+whose trace holds vLLM's own ``llm_request`` span (goal: 0 orphans, 0 splits).
 
 Writes ``benchmarks/results/replay_trace_overhead.json``.
 
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +38,8 @@ from pathlib import Path
 import duckdb
 
 from analytics.replay_figures import replay_figures
-from streams.app.jaeger import JaegerServer, provision_jaeger
+from nexuskv.errors import JaegerError
+from streams.app.jaeger import JaegerEndpoints, JaegerServer, provision_jaeger
 
 from benchmarks._result import Run, write_result
 
@@ -36,14 +47,62 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "benchmarks" / "data" / "conversation_trace_head1000.jsonl"
 
 
-def _one(out: Path, requests: int, warmup: int, trace_to: str | None) -> dict:
+def _tags(span: dict) -> dict:
+    return {t["key"]: t["value"] for t in span.get("tags", ())}
+
+
+def _parent(span: dict) -> str | None:
+    refs = [r for r in span.get("references") or () if r.get("refType") == "CHILD_OF"]
+    return refs[0]["spanID"] if refs else None
+
+
+def _trace_check(jaeger: JaegerEndpoints, replay_id: str, trace_ids: dict[str, str],
+                 timeout_s: float = 60.0) -> dict:
+    """Orphan spans and split traces over every request of a traced run (``trace_ids``: request id to
+    the trace id the replay recorded), once every request's trace holds vLLM's span (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {t["traceID"]: t for t in jaeger.traces("nexuskv-replay", limit=10000)
+                 if any(s["operationName"] == "replay.request" and _tags(s).get("nexuskv.replay_id") == replay_id
+                        for s in t["spans"])}
+        with_engine = {tid for tid, t in found.items() if any(s["operationName"] == "llm_request" for s in t["spans"])}
+        if set(trace_ids.values()) <= with_engine or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    orphans = 0
+    for t in found.values():
+        ids = {s["spanID"] for s in t["spans"]}
+        orphans += sum(1 for s in t["spans"] if _parent(s) is not None and _parent(s) not in ids)
+    split: set[str] = set()
+    for service in jaeger.services():
+        for t in jaeger.traces(service, limit=10000):
+            # Another replay of the same trace names the same request ids (vLLM's gen_ai.request.id
+            # holds no replay id): its traces are not this run's splits.
+            if any(s["operationName"] == "replay.request" and _tags(s).get("nexuskv.replay_id") != replay_id
+                   for s in t["spans"]):
+                continue
+            for s in t["spans"]:
+                label = str(_tags(s).get("nexuskv.request_id") or _tags(s).get("gen_ai.request.id") or "")
+                named = re.search(r"(?:^|[^a-z])nexuskv-(r\d{5})(?:$|[^0-9])", label)
+                rid = label.removeprefix(replay_id + "/") if label.startswith(replay_id + "/") else (
+                    named.group(1) if named else None)
+                if rid in trace_ids and t["traceID"] != trace_ids[rid]:
+                    split.add(rid)
+    return {"requests": len(trace_ids), "traces_found": len(set(trace_ids.values()) & set(found)),
+            "traces_of_the_replay": len(found), "orphan_spans": orphans, "split_traces": len(split),
+            "requests_with_vllm_span": len(set(trace_ids.values()) & with_engine),
+            "spans": sum(len(t["spans"]) for t in found.values())}
+
+
+def _one(out: Path, requests: int, warmup: int, jaeger: JaegerEndpoints | None) -> dict:
     """One NexusKV run as ``nexuskv replay`` runs it, in a process of its own (OpenTelemetry allows one
     tracer provider per process: an untraced run after a traced one must not inherit it)."""
     cmd = [sys.executable, "-m", "streams.app.cli", "replay", str(TRACE), "--requests", str(requests),
            "--warmup", str(warmup), "--runs", "nexuskv", "--out", str(out), "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "NEXUSKV_OTLP_ENDPOINT"}
-    if trace_to is not None:
-        cmd += ["--trace-to", trace_to]
+    if jaeger is not None:
+        cmd += ["--trace-to", jaeger.otlp_http_url]
+    load_start = round(os.getloadavg()[0], 1)
     for attempt in range(2):
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
         if done.returncode == 0:
@@ -59,10 +118,19 @@ def _one(out: Path, requests: int, warmup: int, trace_to: str | None) -> dict:
         assert fig is not None
         traced, errors = con.execute("SELECT count(trace_id), count(error) FROM replay_requests WHERE replay_id = ?",
                                      [fig.replay_id]).fetchone()
+        trace_ids = dict(con.execute("SELECT request_id, trace_id FROM replay_requests WHERE replay_id = ? "
+                                     "AND trace_id IS NOT NULL", [fig.replay_id]).fetchall())
+    load = round(os.getloadavg()[0], 1)
     n = fig.measured["nexuskv"]
-    return {"replay_id": fig.replay_id, "traced": trace_to is not None, "mean_ttft_s": n.mean_ttft_s,
-            "p50_ttft_s": n.p50_ttft_s, "p99_ttft_s": n.p99_ttft_s, "requests": n.requests, "errors": errors,
-            "requests_with_trace_id": traced, "load_1m": round(os.getloadavg()[0], 1)}
+    row = {"replay_id": fig.replay_id, "traced": jaeger is not None, "mean_ttft_s": n.mean_ttft_s,
+           "p50_ttft_s": n.p50_ttft_s, "p99_ttft_s": n.p99_ttft_s, "requests": n.requests, "errors": errors,
+           "requests_with_trace_id": traced, "load_1m_start": load_start, "load_1m": load}
+    if jaeger is not None:
+        try:
+            row["trace_check"] = _trace_check(jaeger, fig.replay_id, trace_ids)
+        except JaegerError as exc:  # the figure stands; the check's failure is recorded, not hidden
+            row["trace_check"] = {"error": str(exc)[:500]}
+    return row
 
 
 def main() -> None:
@@ -81,7 +149,7 @@ def main() -> None:
             pair = {}
             for traced in order:
                 row = _one(base / f"pair{i}-{'on' if traced else 'off'}", args.requests, args.warmup,
-                           jaeger.otlp_http_url if traced else None)
+                           jaeger.endpoints if traced else None)
                 pair[traced] = row
                 rows.append(row)
                 print(row, flush=True)
@@ -94,7 +162,12 @@ def main() -> None:
     details = {"runs": rows, "trace": TRACE.name, "spans_in_jaeger_for_the_replay_traces": spans,
                "workload": f"{args.requests} requests ({args.warmup} warm-up) of the trace's conversations, "
                            "NexusKV run only, 2 vLLM CPU engines, random 8-layer Llama (float32)",
-               "machine": f"{os.cpu_count()} cores, shared with other work; load_1m per run in runs"}
+               "machine": f"{os.cpu_count()} cores, shared with other work; load_1m per run in runs",
+               "load_1m_range": [min(min(r["load_1m_start"], r["load_1m"]) for r in rows), max(max(r["load_1m_start"], r["load_1m"]) for r in rows)],
+               "orphan_spans": sum(r["trace_check"].get("orphan_spans", 0) for r in rows if "trace_check" in r),
+               "split_traces": sum(r["trace_check"].get("split_traces", 0) for r in rows if "trace_check" in r),
+               "trace_checks_failed": sum(1 for r in rows if "error" in r.get("trace_check", {})),
+               "failed_requests": sum(r["errors"] for r in rows)}
     if not args.no_write:
         path = write_result("replay_trace_overhead", "mean TTFT of the replay's measured requests, NexusKV run, "
                             "every span exported to a local Jaeger", "s", runs,

@@ -101,7 +101,7 @@ from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
 from streams.bus.policy_file import PolicyFile
 from streams.bus.process import freeze_startup_heap
-from streams.bus.tracing import carrier_headers, span_from_record, tracer
+from streams.bus.tracing import carrier_headers, finite_attributes, span_from_record, tracer
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import decision_attributes, init_service, reason_code
 from streams.tier_prices import TierPriceReplica
@@ -119,10 +119,10 @@ def _traced_match(lookup: Callable[[], LookupResult]) -> LookupResult:
     with tracer(SERVICE).start_as_current_span("index.match") as span:
         result = lookup()
         best = result.best_certain_prefix()
-        span.set_attributes({"nexuskv.service": "index-replica", "nexuskv.blocks": result.num_blocks,
-                             "nexuskv.locations": len(result.matches),
-                             "nexuskv.best_prefix_blocks": best.prefix_blocks if best else 0,
-                             "nexuskv.index_lag_events": result.lag_events, "nexuskv.index_lag_ms": result.lag_ms})
+        span.set_attributes(finite_attributes({
+            "nexuskv.service": "index-replica", "nexuskv.blocks": result.num_blocks,
+            "nexuskv.locations": len(result.matches), "nexuskv.best_prefix_blocks": best.prefix_blocks if best else 0,
+            "nexuskv.index_lag_events": result.lag_events, "nexuskv.index_lag_ms": result.lag_ms}))
     return result
 
 

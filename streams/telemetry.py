@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from streams.bus.health import HEALTH, Health
 from streams.bus.metrics import METRICS, REGISTRY
+from streams.bus.tracing import finite_attributes
 
 __all__ = [
     "BoundedSpanProcessor",
@@ -201,7 +202,7 @@ def decision_attributes(decision: Any) -> dict[str, Any]:
     }
     if decision.source is not None:
         attrs["nexuskv.source"] = str(decision.source)
-    return attrs
+    return finite_attributes(attrs)
 
 
 def quiet_libraries(level: str) -> None:

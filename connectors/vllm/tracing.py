@@ -29,7 +29,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from nexuskv.contracts.decisions import Decision
-from streams.bus.tracing import tracer
+from streams.bus.tracing import finite_attributes, tracer
 
 __all__ = ["RequestTraces"]
 
@@ -126,4 +126,4 @@ def _decision_attributes(d: Decision) -> dict[str, Any]:
                              "nexuskv.t_compute_s": d.t_compute_s, "nexuskv.t_with_reuse_s": d.t_with_reuse_s,
                              "nexuskv.tier": d.source.tier.value if d.source is not None else "none",
                              "nexuskv.reason": d.reason[:256]}
-    return attrs
+    return finite_attributes(attrs)

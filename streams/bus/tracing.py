@@ -17,13 +17,15 @@ runs in its own thread, so its receive spans would be orphans, and two injectors
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-__all__ = ["TRACER_NAME", "carrier_headers", "span_from_record", "start_span_from_record", "tracer"]
+__all__ = ["TRACER_NAME", "carrier_headers", "finite_attributes", "span_from_record", "start_span_from_record",
+           "tracer"]
 
 TRACER_NAME = "nexuskv"
 
@@ -31,6 +33,14 @@ TRACER_NAME = "nexuskv"
 def tracer(service: str) -> trace.Tracer:
     """A tracer whose spans name the service (``nexuskv.service`` attribute is set per span)."""
     return trace.get_tracer(f"{TRACER_NAME}.{service}")
+
+
+def finite_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """``attributes`` with each non-finite float (an unknown index lag is ``inf``) as its text: "inf",
+    "-inf" or "nan". OTLP carries such a double, but Jaeger's query API cannot write it as JSON: one
+    span holding one makes ``/api/traces`` answer 500 for every trace of its service
+    ("json: unsupported value: +Inf"), so a trace with it could not be read at all."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in attributes.items()}
 
 
 def carrier_headers(headers: Sequence[tuple[str, bytes]] | None = None) -> list[tuple[str, bytes]]:
@@ -53,7 +63,7 @@ def span_from_record(service: str, name: str, headers: Sequence[tuple[str, bytes
                      attributes: dict[str, Any] | None = None) -> Iterator[trace.Span]:
     """A span continuing the trace carried by a consumed record's headers, current while open."""
     parent = _context_of(headers)
-    attrs = {"nexuskv.service": service, **(attributes or {})}
+    attrs = finite_attributes({"nexuskv.service": service, **(attributes or {})})
     with tracer(service).start_as_current_span(name, context=parent, kind=trace.SpanKind.CONSUMER,
                                                attributes=attrs) as span:
         yield span
@@ -62,6 +72,6 @@ def span_from_record(service: str, name: str, headers: Sequence[tuple[str, bytes
 def start_span_from_record(service: str, name: str, headers: Sequence[tuple[str, bytes]] | dict | None,
                            attributes: dict[str, Any] | None = None) -> trace.Span:
     """A started (not current) span continuing a record's trace; end it, or ``trace.use_span`` it."""
-    attrs = {"nexuskv.service": service, **(attributes or {})}
+    attrs = finite_attributes({"nexuskv.service": service, **(attributes or {})})
     return tracer(service).start_span(name, context=_context_of(headers), kind=trace.SpanKind.CONSUMER,
                                       attributes=attrs)

@@ -108,3 +108,31 @@ def test_a_live_collector_gets_every_span(jaeger):
     assert _exported(service) == 20
     assert _dropped(service, "queue_full") == 0 and _dropped(service, "export_failed") == 0
     processor.shutdown()
+
+
+def test_a_non_finite_attribute_leaves_the_trace_readable_in_jaeger(jaeger):
+    """An unknown index lag is ``inf``: Jaeger stores such a span but its query API then answers 500
+    for every trace of the service; NexusKV's spans carry it as text, and the trace stays readable."""
+    from opentelemetry.sdk.resources import Resource
+
+    from nexuskv.errors import JaegerError
+    from streams.bus.tracing import finite_attributes
+
+    def export(service: str, attributes: dict) -> None:
+        processor = otlp_processor(service, jaeger.otlp_http_url)
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(processor)
+        with provider.get_tracer("test").start_as_current_span("index.match", attributes=attributes):
+            pass
+        assert processor.force_flush(10_000)
+        processor.shutdown()
+
+    lag = {"nexuskv.index_lag_ms": float("inf"), "nexuskv.eg_lower_s": float("-inf"), "nexuskv.blocks": 3}
+    export("test-raw-inf", lag)
+    with pytest.raises(JaegerError, match="500"):  # what the conversion is for
+        jaeger.wait_for_spans("test-raw-inf", 1)
+    export("test-finite-inf", finite_attributes(lag))
+    traces = jaeger.wait_for_spans("test-finite-inf", 1)
+    tags = {t["key"]: t["value"] for t in traces[0]["spans"][0]["tags"]}
+    assert tags["nexuskv.index_lag_ms"] == "inf" and tags["nexuskv.eg_lower_s"] == "-inf"
+    assert tags["nexuskv.blocks"] == 3

@@ -24,6 +24,7 @@ from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import NexusKVError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from streams.bus.clients import make_consumer, make_producer, send
+from streams.bus.tracing import finite_attributes
 
 __all__ = ["Loads", "LeastOutstanding", "PlannerRouter", "Routed"]
 
@@ -140,10 +141,11 @@ class PlannerRouter:
             routed = await self._route(pid, tokens, loads, arrival_at, span)
             d = routed.decision
             if d is not None:
-                span.set_attributes({"nexuskv.action": d.action.value, "nexuskv.worker": d.worker,
-                                     "nexuskv.reused_tokens": d.reused_tokens, "nexuskv.eg_s": d.eg_s,
-                                     "nexuskv.tier": d.source.tier.value if d.source is not None else "none",
-                                     "nexuskv.routing_s": routed.routing_s})
+                span.set_attributes(finite_attributes({
+                    "nexuskv.action": d.action.value, "nexuskv.worker": d.worker,
+                    "nexuskv.reused_tokens": d.reused_tokens, "nexuskv.eg_s": d.eg_s,
+                    "nexuskv.tier": d.source.tier.value if d.source is not None else "none",
+                    "nexuskv.routing_s": routed.routing_s}))
             return routed
 
     async def _route(self, pid: str, tokens: Sequence[int], loads: Loads, arrival_at: float,

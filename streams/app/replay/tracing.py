@@ -19,6 +19,12 @@ code of vLLM 0.32 reads what it enables (its ``time_in_model_forward`` and ``...
 attributes are declared, never set).
 
 Without an endpoint nothing is exported and nothing changes: the replay's spans are no-ops.
+
+Export is bounded (:func:`streams.telemetry.setup_tracing`): a collector that is down or dies
+mid-replay costs spans, never a request. This process's spans exported and dropped are counted on
+``nexuskv_spans_exported`` / ``nexuskv_spans_dropped`` (:meth:`ReplayTracing.export_counts`); the
+replay prints them after each run. The services count theirs on the same metrics, on their own
+``/metrics``; vLLM's exporter counts nothing NexusKV can read.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
+from streams.bus.metrics import REGISTRY
 from streams.telemetry import setup_tracing
 
-__all__ = ["REPLAY_SERVICE", "ReplayTracing", "engine_args", "engine_trace_env", "service_trace_env", "trace_id_of"]
+__all__ = ["REPLAY_SERVICE", "ExportCounts", "ReplayTracing", "engine_args", "engine_trace_env", "service_trace_env",
+           "trace_id_of"]
 
 REPLAY_SERVICE = "nexuskv-replay"
 #: The engines and services export their batches every second (the SDK's default is 5 s), so the
@@ -64,6 +72,27 @@ def service_trace_env(endpoint: str | None) -> dict[str, str]:
     if endpoint is None:
         return {}
     return {"NEXUSKV_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": _EXPORT_DELAY_MS}
+
+
+@dataclass(frozen=True, slots=True)
+class ExportCounts:
+    """This process's spans of the replay: exported, and dropped by reason (the metric's counters)."""
+
+    exported: int = 0
+    export_failed: int = 0  # the collector refused, timed out or was unreachable
+    queue_full: int = 0  # the export queue was full (the collector behind or hung)
+
+    @property
+    def dropped(self) -> int:
+        return self.export_failed + self.queue_full
+
+    def __sub__(self, other: ExportCounts) -> ExportCounts:
+        return ExportCounts(self.exported - other.exported, self.export_failed - other.export_failed,
+                            self.queue_full - other.queue_full)
+
+    def describe(self) -> str:
+        return (f"{self.exported} spans exported, {self.dropped} dropped (export failed {self.export_failed}, "
+                f"queue full {self.queue_full})")
 
 
 @dataclass(slots=True)
@@ -116,6 +145,17 @@ class ReplayTracing:
             if self.enabled:
                 propagate.inject(carrier)
             yield carrier
+
+    def export_counts(self) -> ExportCounts:
+        """This process's ``nexuskv_spans_exported`` and ``nexuskv_spans_dropped`` counters, as now."""
+
+        def sample(name: str, **labels: str) -> int:
+            value = REGISTRY.get_sample_value(name, {"service": REPLAY_SERVICE, **labels})
+            return int(value or 0)
+
+        return ExportCounts(sample("nexuskv_spans_exported_total"),
+                            sample("nexuskv_spans_dropped_total", reason="export_failed"),
+                            sample("nexuskv_spans_dropped_total", reason="queue_full"))
 
     def flush(self, timeout_s: float = 10.0) -> None:
         if self._provider is not None:
