@@ -623,10 +623,17 @@ class TierManager:
         self._queue(events)
         events = []
         written: list[tuple[SaveBlock, PayloadHeader, int]] = []
+        # A tier that writes or sends bytes (disk, remote) writes host data where it is: no staging
+        # copy, one GIL round trip less per block for the writer thread beside the engine's step.
+        from_view = dst.writes_from_views
         for sb, header, reservation, position in todo:
             try:
                 with reservation:
-                    dst.put(header, sb.data.reshape(-1).view(torch.uint8), reservation)
+                    data = sb.data.reshape(-1).view(torch.uint8)
+                    if from_view and data.device.type == "cpu":
+                        dst.commit_view(header, data, reservation)
+                    else:
+                        dst.put(header, data, reservation)
                 written.append((sb, header, position))
             except (DataPlaneError, ValueError) as exc:
                 failed += 1
