@@ -42,11 +42,11 @@ class GatedDisk(DiskBackend):
         self.gate.set()
         self.writing = threading.Event()
 
-    def commit_view(self, header, data, reservation=None):  # every write (put commits through it)
+    def commit_views(self, entries):  # every write (put and commit_view commit through it)
         self.writing.set()
         if not self.gate.wait(30):
             raise TimeoutError("the test never opened the gate")
-        return super().commit_view(header, data, reservation)
+        return super().commit_views(entries)
 
 
 class Rig:
