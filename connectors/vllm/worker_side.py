@@ -621,15 +621,20 @@ class WorkerSide:
             log.warning("request %s: no backend for %s", spec.request_id, where)
             return 0
         pks = [PayloadKey(did, k, self._group) for k in spec.keys]
+        tiers = self.tiers
+        managed = tiers is not None and any(b.capabilities.tier is spec.tier for b in tiers.backends())
+        # Managed, only what the manager believes held needs checking (a file deleted behind its
+        # back); a block it does not hold is written anyway: no probe (a failed open) per new block.
+        probed = [pk for pk in pks if tiers.holds(pk, spec.tier)] if managed else pks
         try:
-            held = list(self.held(spec.tier, pks))
+            held = list(self.held(spec.tier, probed)) if probed else []
         except TierUnavailableError as exc:
             log.warning("request %s: cannot check the %s tier: %s", spec.request_id, spec.tier.value, exc)
             return 0
         bs = self.descriptor.block_size
-        tiers = self.tiers
-        if tiers is not None and any(b.capabilities.tier is spec.tier for b in tiers.backends()):
-            return self._save_managed(spec, copies, pks, held, tiers, t0)
+        if managed:
+            lost = [pk for pk, ok in zip(probed, held) if not ok]
+            return self._save_managed(spec, copies, pks, lost, tiers, t0)
         publisher = self.publisher
         run: list[TierBlock] = []
         written = 0
@@ -664,14 +669,14 @@ class WorkerSide:
         return written
 
     def _save_managed(self, spec: SaveSpec, copies: Sequence[torch.Tensor], pks: list[PayloadKey],
-                      held: list[bool], tiers: TierManager, t0: float) -> int:
-        """Save through the tier manager: admitted by utility, announced by the tier's publisher."""
+                      lost: list[PayloadKey], tiers: TierManager, t0: float) -> int:
+        """Save through the tier manager: admitted by utility, announced by the tier's publisher.
+        ``lost``: blocks the manager holds that the tier no longer does."""
         bs = self.descriptor.block_size
         now = self.wall()
         if now - self._ticked >= 1.0:  # pins and leases lapse, garbage goes (at most once a second)
             self._ticked = now
             tiers.tick()
-        lost = [pk for pk, ok in zip(pks, held) if not ok and tiers.holds(pk, spec.tier)]
         if lost:  # deleted behind the manager's back: forget them, then write them again
             tiers.lost(lost, spec.tier)
         blocks, parent = [], spec.parent

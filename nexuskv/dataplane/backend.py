@@ -30,7 +30,7 @@ import torch
 
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.payload import PayloadHandle, PayloadHeader, PayloadKey, verify_payload
-from nexuskv.errors import IntegrityError, TierFullError
+from nexuskv.errors import DataPlaneError, IntegrityError, TierFullError
 
 __all__ = ["TierBackend", "StagedBackend", "Reservation", "BufferPool", "host_view"]
 
@@ -165,6 +165,18 @@ class TierBackend(ABC):
                     reservation: Reservation | None = None) -> PayloadHandle:
         """Store a copy of host tensor ``data`` (the caller keeps it): :meth:`put`, unless cheaper."""
         return self.put(header, data, reservation)
+
+    def commit_views(self, entries: Sequence[tuple[PayloadHeader, torch.Tensor, Reservation | None]]
+                     ) -> list[PayloadHandle | DataPlaneError]:
+        """:meth:`commit_view` of each ``(header, data, reservation)``; per entry its handle, or the
+        error it raised (a tier that can write many at once for less overrides it: disk)."""
+        out: list[PayloadHandle | DataPlaneError] = []
+        for header, data, reservation in entries:
+            try:
+                out.append(self.commit_view(header, data, reservation))
+            except DataPlaneError as exc:
+                out.append(exc)
+        return out
 
     def put(self, header: PayloadHeader, data: torch.Tensor, reservation: Reservation | None = None) -> PayloadHandle:
         """Copy ``data`` (a uint8 tensor of ``header.nbytes``) in and commit it."""

@@ -209,5 +209,26 @@ class TierMover:
         return None
 
     @staticmethod
+    def batched(backend: TierBackend, data: torch.Tensor) -> bool:
+        """Whether ``data`` goes to ``backend`` in :meth:`write_all` (a tier that writes or sends host
+        bytes, disk or remote: no staging copy, one call per save) rather than :meth:`write`."""
+        return bool(getattr(backend, "writes_from_views", False)) and data.device.type == "cpu"
+
+    @staticmethod
+    def write_all(backend: TierBackend, blocks: Sequence[tuple[PayloadHeader, torch.Tensor, Reservation]]
+                  ) -> list[str | None]:
+        """A save's blocks written from their host bytes in one call (the disk tier writes them with
+        the GIL released once, not after every syscall: the saving thread runs beside an engine's
+        step); each reservation is released after. Per block: None, or why it failed."""
+        try:
+            results: list = backend.commit_views([(h, d.reshape(-1).view(torch.uint8), r) for h, d, r in blocks])
+        except (DataPlaneError, ValueError) as exc:
+            results = [exc] * len(blocks)
+        finally:
+            for _, _, reservation in blocks:
+                reservation.release()
+        return [f"{type(r).__name__}: {r}" if isinstance(r, Exception) else None for r in results]
+
+    @staticmethod
     def read(backend: Any, key: PayloadKey, out: torch.Tensor) -> PayloadHeader:
         return backend.read_verified(key, out)

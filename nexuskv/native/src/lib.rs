@@ -7,6 +7,7 @@
 //! tuple or list of ints, `bytes` (n * 8, little-endian) or a uint64 array.
 
 mod core;
+mod files;
 mod sets;
 mod tables;
 
@@ -431,9 +432,55 @@ impl PyCore {
     }
 }
 
+/// Per payload file: None when it is in place, else `(errno or None, message)`.
+type WriteOutcome = Option<(Option<i32>, String)>;
+
+/// Write payload files for the disk tier, the GIL released for the whole batch (see `files.rs`).
+///
+/// `items`: `(temporary path, path, header bytes, data)`, data any C-contiguous byte buffer (a
+/// uint8 tensor's memoryview). Returns, per item, None when the file is in place, else
+/// `(errno or None, message)`; a failed item's temporary file is removed, later items still written.
+#[pyfunction]
+#[pyo3(signature = (items, fsync=false))]
+fn write_payload_files(
+    py: Python<'_>,
+    items: Vec<(String, String, Vec<u8>, Bound<'_, PyAny>)>,
+    fsync: bool,
+) -> PyResult<Vec<WriteOutcome>> {
+    let mut bufs = Vec::with_capacity(items.len());
+    for (_, path, _, data) in &items {
+        let buf = PyBuffer::<u8>::get(data)
+            .map_err(|e| PyValueError::new_err(format!("{path}: the data is not a byte buffer: {e}")))?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!("{path}: the data is not C-contiguous")));
+        }
+        bufs.push(buf);
+    }
+    // The buffers stay exported (and their memory alive) until `bufs` drops, after the writes.
+    let spans: Vec<(usize, usize)> = bufs.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
+    let names: Vec<(&str, &str, &[u8])> = items.iter().map(|(t, p, h, _)| (t.as_str(), p.as_str(), h.as_slice())).collect();
+    let out = py.allow_threads(|| {
+        let batch: Vec<files::Item<'_>> = names
+            .iter()
+            .zip(&spans)
+            .map(|(&(tmp, path, header), &(ptr, len))| files::Item {
+                tmp,
+                path,
+                header,
+                // SAFETY: `bufs` holds the exports of these buffers for the whole call.
+                data: unsafe { std::slice::from_raw_parts(ptr as *const u8, len) },
+            })
+            .collect();
+        files::write_files(&batch, fsync)
+    });
+    drop(bufs);
+    Ok(out.into_iter().map(|e| e.map(|e| (e.raw_os_error(), e.to_string()))).collect())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCore>()?;
+    m.add_function(wrap_pyfunction!(write_payload_files, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
