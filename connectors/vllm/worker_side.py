@@ -28,7 +28,7 @@ Asynchronous loads are put in place on their worker thread and reported by ``get
 of the paged KV at once — vLLM may reuse a block as soon as its request ends — in one batched
 gather per layer into a host buffer (pinned, on a side stream that the engine's stream waits for
 before its next kernels, where CUDA is present), and queues them for the writer thread. The queue
-is bounded (``save_queue_bytes`` of copied-out blocks): a save that does not fit is dropped,
+(:class:`~connectors.vllm.save_writer.SaveWriter`) is bounded (``save_queue_bytes`` of copied-out blocks): a save that does not fit is dropped,
 counted (``saves_dropped``, ``blocks_dropped``, and ``nexuskv_transfer_outcomes{status=
 "save_dropped"}``), logged, and never waited for — the step never blocks on a write. The writer
 thread (one, so a request's saves are written in order) makes the payloads, checksums and writes
@@ -59,7 +59,6 @@ Only block-granular attention state is moved (see
 
 from __future__ import annotations
 
-import collections
 import logging
 import re
 import threading
@@ -73,19 +72,19 @@ import torch
 
 from connectors.descriptors import publisher_identity
 from connectors.vllm.meta import ConnectorMeta, CopyTiming, LoadSpec, PrefillTiming, SaveSpec, WorkerReport
+from connectors.vllm.save_writer import SaveWriter
 from connectors.vllm.scheduler_side import check_descriptor
 from connectors.vllm.tier_publisher import TierBlock, TierPublisher
 from nexuskv.contracts.observations import ObservationRecord, PrefillObservation, TransferObservation
 from nexuskv.dataplane.backend import BufferPool, host_view
-from nexuskv.dataplane.batch_copy import Gathered, PagedKV, PagedLayer, Scatter
+from nexuskv.dataplane.batch_copy import PagedKV, PagedLayer, Scatter
 from nexuskv.dataplane.catalog import BackendCatalog
 from nexuskv.dataplane.payload import PayloadHeader, PayloadKey
 from nexuskv.dataplane.tier_facts import BlockIdentity, TierChange
-from nexuskv.dataplane.tiers import SaveBlock, TierManager
+from nexuskv.dataplane.tiers import TierManager
 from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import ConfigError, DataPlaneError, TierUnavailableError
-from streams.bus.metrics import METRICS
 
 __all__ = ["WorkerSide", "layout_of", "block_dims", "catalog_probe", "tier_held"]
 
@@ -238,7 +237,6 @@ class WorkerSide:
                                    for b in publisher.reannounced], tenant=descriptor.tenant_namespace)
             log.info("%s: the tier manager adopted %d re-announced blocks", publisher.name, adopted)
         self.tiers = tiers
-        self._ticked = 0.0
         self.observe = observe
         self.model = model or descriptor.model
         self.profile = profile
@@ -257,16 +255,6 @@ class WorkerSide:
         self._placing: list[_Read] = []  # ... read, being put in place layer by layer
         self._releasing: list[Scatter] = []  # put in place; their buffers go back once their copies end
         self._load_errors: set[int] = set()
-        # Saves: a bounded queue (in bytes) to one writer thread, FIFO, so a request's blocks are
-        # written, hence announced, in order; a save that does not fit is dropped, never waited for.
-        self.save_queue_bytes = save_queue_bytes
-        self._saves: collections.deque[tuple[SaveSpec, Gathered]] = collections.deque()
-        self._queued_bytes = 0
-        self._writing = 0  # saves taken by the writer and not finished
-        self._save_cv = threading.Condition(threading.Lock())
-        self._closing = False
-        self._writer = threading.Thread(target=self._write_loop, name="nexuskv-kv-writer", daemon=True)
-        self._writer.start()
         self._report = WorkerReport()
         self._step_started: float | None = None
         self._step_load_s = 0.0
@@ -274,6 +262,12 @@ class WorkerSide:
                       "blocks_unchained": 0, "blocks_refused": 0, "bytes_loaded": 0, "bytes_saved": 0,
                       "prefill_timings": 0, "saves_queued": 0, "saves_dropped": 0, "blocks_dropped": 0,
                       "loads_unwaited": 0, "save_step_s": 0.0}
+        # Saves: a bounded queue (in bytes) to one writer thread, FIFO, so a request's blocks are
+        # written, hence announced, in order; a save that does not fit is dropped, never waited for.
+        self.save_queue_bytes = save_queue_bytes
+        self._saver = SaveWriter(descriptor, catalog, held=self.held, tiers=tiers, publisher=publisher,
+                                 identity=self._identity, group=self._group, stats=self.stats, lock=self._lock,
+                                 copied=self._copied, queue_bytes=save_queue_bytes, clock=clock, wall=wall)
 
     # -- registration --------------------------------------------------------------------------
 
@@ -306,6 +300,7 @@ class WorkerSide:
             raise ConfigError("kv_caches", f"{len(layers)} layers hold {offset} bytes per block; descriptor "
                                            f"{self.descriptor.descriptor_id} says {expected}")
         self._kv, self._block_bytes = PagedKV(layers, pool=self._buffers), offset
+        self._saver.block_bytes = offset
         if self.measure:
             self._measure_at_start(layers[0].tensor)
 
@@ -463,58 +458,8 @@ class WorkerSide:
                     self._enqueue_save(spec)
             self.stats["save_step_s"] += self.clock() - t0  # what the saves cost the step thread
     def _enqueue_save(self, spec: SaveSpec) -> None:
-        nbytes = len(spec.block_ids) * self._block_bytes
-        with self._save_cv:
-            fits = not self._closing and self._queued_bytes + nbytes <= self.save_queue_bytes
-            if fits:
-                self._queued_bytes += nbytes
-        if not fits:  # never wait for the writer: this save is a later miss, counted
-            self._dropped(spec, "the save queue is full" if not self._closing else "the worker side is closing")
-            return
-        try:
-            gathered = self._kv.gather(spec.block_ids)
-        except Exception as exc:  # noqa: BLE001 - a save that cannot be copied is a later miss, not a dead engine
-            with self._save_cv:
-                self._queued_bytes -= nbytes
-            self._dropped(spec, f"copying it out failed: {type(exc).__name__}: {exc}")
-            return
-        with self._save_cv:
-            self._saves.append((spec, gathered))
-            self.stats["saves_queued"] += 1
-            self._save_cv.notify()
-
-    def _dropped(self, spec: SaveSpec, why: str) -> None:
-        with self._lock:
-            first = self.stats["saves_dropped"] == 0
-            self.stats["saves_dropped"] += 1
-            self.stats["blocks_dropped"] += len(spec.block_ids)
-        METRICS.transfers.labels(status="save_dropped", link=f"gpu->{spec.tier.value}").inc()
-        (log.warning if first else log.debug)("request %s: %d blocks not saved to %s: %s (%d saves dropped so far)",
-                                              spec.request_id, len(spec.block_ids), spec.tier.value, why,
-                                              self.stats["saves_dropped"])
-
-    def _write_loop(self) -> None:
-        """The writer thread: saves in the order they were queued; a save is announced only once written."""
-        while True:
-            with self._save_cv:
-                while not self._saves and not self._closing:
-                    self._save_cv.wait()
-                if not self._saves:
-                    return
-                spec, gathered = self._saves.popleft()
-                self._writing += 1
-            try:
-                payloads = gathered.payloads()
-                gathered.release()
-                self._save(spec, list(payloads.unbind(0)))
-            except Exception as exc:  # noqa: BLE001 - a failed save is a later miss; the writer goes on
-                log.warning("request %s: saving %d blocks failed: %s", spec.request_id, len(spec.block_ids), exc)
-            finally:
-                gathered.release()
-                with self._save_cv:
-                    self._writing -= 1
-                    self._queued_bytes -= gathered.nbytes
-                    self._save_cv.notify_all()
+        assert self._kv is not None
+        self._saver.enqueue(spec, self._kv.gather)
 
     def _timed_prefill(self, request_id: str, timing: PrefillTiming) -> None:
         self.stats["prefill_timings"] += 1
@@ -609,114 +554,11 @@ class WorkerSide:
             out, self._load_errors = self._load_errors, set()
         return out
 
-    # -- saves ---------------------------------------------------------------------------------
-
-    def _save(self, spec: SaveSpec, copies: Sequence[torch.Tensor]) -> int:
-        """Write the blocks the tier lacks, announce the run; returns blocks written."""
-        t0 = self.clock()
-        did = self.descriptor.descriptor_id
-        where = EntryLocation(worker=self.catalog.worker, tier=spec.tier, group=self._group)
-        backend = self.catalog.destination_for(where, len(spec.keys) * self._block_bytes)
-        if backend is None:
-            log.warning("request %s: no backend for %s", spec.request_id, where)
-            return 0
-        pks = [PayloadKey(did, k, self._group) for k in spec.keys]
-        tiers = self.tiers
-        managed = tiers is not None and any(b.capabilities.tier is spec.tier for b in tiers.backends())
-        # Managed, only what the manager believes held needs checking (a file deleted behind its
-        # back); a block it does not hold is written anyway: no probe (a failed open) per new block.
-        probed = [pk for pk in pks if tiers.holds(pk, spec.tier)] if managed else pks
-        try:
-            held = list(self.held(spec.tier, probed)) if probed else []
-        except TierUnavailableError as exc:
-            log.warning("request %s: cannot check the %s tier: %s", spec.request_id, spec.tier.value, exc)
-            return 0
-        bs = self.descriptor.block_size
-        if managed:
-            lost = [pk for pk, ok in zip(probed, held) if not ok]
-            return self._save_managed(spec, copies, pks, lost, tiers, t0)
-        publisher = self.publisher
-        run: list[TierBlock] = []
-        written = 0
-        parent = spec.parent
-        for i, (pk, data) in enumerate(zip(pks, copies)):
-            block = TierBlock(pk.key, parent, tuple(spec.token_ids[i * bs:(i + 1) * bs]))
-            parent = pk.key
-            if held[i] and (publisher is None or publisher.announced(pk.key)):
-                self.stats["blocks_already_held"] += 1
-                if run:
-                    self._announce(run, spec)
-                    run = []
-                continue
-            if not held[i]:
-                try:
-                    if backend.contains(pk):  # its index still lists a payload that is gone: forget it first
-                        backend.delete(pk)
-                    backend.put(PayloadHeader.for_data(pk, host_view(data)), data)
-                except DataPlaneError as exc:
-                    log.warning("request %s: saving stopped at block %d: %s", spec.request_id, spec.first_block + i,
-                                exc)
-                    break
-                written += 1
-            run.append(block)
-        if run:
-            self._announce(run, spec)
-        with self._lock:
-            self.stats["blocks_saved"] += written
-            self.stats["bytes_saved"] += written * self._block_bytes
-        if written:
-            self._copied(CopyTiming(Tier.GPU, spec.tier, written, self.clock() - t0), request_id=spec.request_id)
-        return written
-
-    def _save_managed(self, spec: SaveSpec, copies: Sequence[torch.Tensor], pks: list[PayloadKey],
-                      lost: list[PayloadKey], tiers: TierManager, t0: float) -> int:
-        """Save through the tier manager: admitted by utility, announced by the tier's publisher.
-        ``lost``: blocks the manager holds that the tier no longer does."""
-        bs = self.descriptor.block_size
-        now = self.wall()
-        if now - self._ticked >= 1.0:  # pins and leases lapse, garbage goes (at most once a second)
-            self._ticked = now
-            tiers.tick()
-        if lost:  # deleted behind the manager's back: forget them, then write them again
-            tiers.lost(lost, spec.tier)
-        blocks, parent = [], spec.parent
-        for i, (pk, data) in enumerate(zip(pks, copies)):
-            tokens = tuple(spec.token_ids[i * bs:(i + 1) * bs])
-            blocks.append(SaveBlock(pk, data, BlockIdentity(self._identity, tokens, bs, parent=parent),
-                                    position=spec.first_block + i))
-            parent = pk.key
-        out = tiers.save(blocks, spec.tier, tenant=self.descriptor.tenant_namespace)
-        if out.refused or out.failed:
-            log.warning("request %s: %d of %d blocks not saved to %s (%d refused, %d failed): %s", spec.request_id,
-                        out.refused + out.failed, len(blocks), spec.tier.value, out.refused, out.failed,
-                        "; ".join(out.reasons[:2]))
-        with self._lock:
-            self.stats["blocks_saved"] += out.saved
-            self.stats["blocks_already_held"] += out.already
-            self.stats["blocks_refused"] += out.refused
-            self.stats["bytes_saved"] += out.nbytes
-        if out.saved:
-            self._copied(CopyTiming(Tier.GPU, spec.tier, out.saved, self.clock() - t0), request_id=spec.request_id)
-        return out.saved
-
-    def _announce(self, run: list[TierBlock], spec: SaveSpec) -> None:
-        if self.publisher is None:
-            return
-        try:
-            if not self.publisher.announce(run):
-                self.stats["blocks_unchained"] += len(run)
-        except Exception as exc:  # noqa: BLE001 - the publisher resyncs; the blocks stay on the tier
-            log.warning("request %s: announcing %d saved blocks failed: %s", spec.request_id, len(run), exc)
+    # -- saves (connectors.vllm.save_writer) ---------------------------------------------------
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every save queued so far is written and announced (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        with self._save_cv:
-            while self._saves or self._writing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(self._saves) + self._writing} saves not written in {timeout_s} s")
-                self._save_cv.wait(left)
+        self._saver.flush(timeout_s)
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -738,27 +580,16 @@ class WorkerSide:
 
     def busy(self) -> bool:
         """True while an asynchronous load has not been reported, or a save is queued or being written."""
-        with self._save_cv:
-            writing = bool(self._saves or self._writing)
-        return bool(self._async_loads) or writing
+        return bool(self._async_loads) or self._saver.pending() > 0
 
     def pending_saves(self) -> int:
         """Saves copied out and not yet written."""
-        with self._save_cv:
-            return len(self._saves) + self._writing
+        return self._saver.pending()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop: the writer drains the queue for up to ``timeout_s``; what it could not write is
         dropped, counted, never announced. The tier manager closes last (its folder is free again)."""
-        with self._save_cv:
-            self._closing = True
-            self._save_cv.notify_all()
-        self._writer.join(timeout_s)
-        with self._save_cv:
-            left, self._saves = list(self._saves), collections.deque()
-        for spec, gathered in left:
-            gathered.release()
-            self._dropped(spec, "the worker side closed before it was written")
+        self._saver.close(timeout_s)
         self._pool.shutdown(wait=True)
         for scatter in self._releasing:
             scatter.release()
