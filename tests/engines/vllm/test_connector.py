@@ -132,7 +132,15 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
 
     multiprocess = MODES[mode]
     data = tmp_path / "data"
-    env = {"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(data), **index_sidecar.env}
+    # The gate acts on the expected gain, not its 95% bound: on this 2-layer model a load and a
+    # recompute cost about the same (a ~30 ms prefill), so the bound straddles zero, and whether the
+    # README's gate loads depends on how fast this machine's GEMM probe ran (283 to 837 GFLOP/s
+    # seen). This test is about what the connector saves and loads, not about the gate's confidence.
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 'nexuskv.execution_policy.v1'\nversion = 'connector-test'\n"
+                      "[planner]\nconfidence_z = 0.0\n# end of policy\n", encoding="utf-8")
+    env = {"NEXUSKV_BROKER": str(kv_topics), "NEXUSKV_DATA_DIR": str(data), "NEXUSKV_POLICY_FILE": str(policy),
+           **index_sidecar.env}
     flags = readme_flags()
     if multiprocess:
         worker, tenant = _readme_worker_and_tenant(flags)
