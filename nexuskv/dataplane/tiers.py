@@ -300,13 +300,14 @@ class TierManager:
                 coming[key] = position or 0
             self.announcer.queue(events)
         events = []
+        # Outside the lock, into the room reserved: one call for a tier that writes host bytes as they
+        # are (disk, remote: TierMover.batched), one per block for the others; in the save's order.
+        batch = [t for t in todo if self.mover.batched(dst, t[0].data)]
+        errs = dict(zip((id(t[0]) for t in batch),
+                        self.mover.write_all(dst, [(h, sb.data, res) for sb, h, res, _ in batch]) if batch else ()))
         written: list[tuple[SaveBlock, PayloadHeader, int]] = []
-        batch: list[tuple[SaveBlock, PayloadHeader, Reservation, int]] = []
-        for sb, header, reservation, position in todo:  # outside the lock, into the room reserved
-            if self.mover.batched(dst, sb.data):
-                batch.append((sb, header, reservation, position))
-                continue
-            err = self.mover.write(dst, header, sb.data, reservation)
+        for sb, header, reservation, position in todo:
+            err = errs[id(sb)] if id(sb) in errs else self.mover.write(dst, header, sb.data, reservation)
             if err is None:
                 written.append((sb, header, position))
             else:
@@ -314,18 +315,6 @@ class TierManager:
                 with self._lock:
                     ledger.counters["save_failed"] += 1
                 reasons.append(f"block {sb.key}: {err}")
-        if batch:
-            errs = self.mover.write_all(dst, [(header, sb.data, res) for sb, header, res, _ in batch])
-            for (sb, header, _, position), err in zip(batch, errs):
-                if err is None:
-                    written.append((sb, header, position))
-                else:
-                    failed += 1
-                    with self._lock:
-                        ledger.counters["save_failed"] += 1
-                    reasons.append(f"block {sb.key}: {err}")
-            order = {id(sb): i for i, (sb, _, _, _) in enumerate(todo)}
-            written.sort(key=lambda w: order[id(w[0])])  # announced in the save's order: parents first
         with self._lock:
             for sb, header, position in written:
                 ledger.saved(dst, (sb.key, sb.identity, position, header.nbytes), tenant=tenant, gains=run, now=now,
