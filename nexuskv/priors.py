@@ -286,17 +286,21 @@ def with_assumed_hardware(model: CostModel, profiles: frozenset[str]) -> CostMod
 
 
 def with_assumed_reads(model: CostModel, profiles: frozenset[str]) -> CostModel:
-    """``model`` with, for each of ``profiles``, a read from host or disk to the GPU assumed to cost
-    what the measured write the other way costs, where only the write was measured.
+    """``model`` with, for each of ``profiles``, a read from host, disk or the shared remote tier to
+    the GPU assumed to cost what the measured write the other way costs, where only the write was
+    measured.
 
     A worker's saves are timed from its first step (every block goes to its tier), its loads only
-    once something was loaded; a fleet planner without a read cost never plans the first load. The
-    assumed read is labelled, carries no observations, and calibration's fit replaces it.
+    once something was loaded; a fleet planner without a read cost never plans the first load. For
+    the remote tier that froze every move: a worker saving to the shared tier was observed writing
+    but no worker had read, so each remote alternative was refused as unpriced and the read link
+    was never observed. The assumed read is labelled, carries no observations (so the gate's bound
+    is wide and only the exploration budget takes it at first), and calibration's fit replaces it.
     """
     links, sized = dict(model.links), dict(model.sized_links)
     added = []
     for p in sorted(profiles):
-        for tier in (Tier.HOST, Tier.DISK):
+        for tier in (Tier.HOST, Tier.DISK, Tier.REMOTE):
             write = links.get((p, Tier.GPU, tier))
             if (p, tier, Tier.GPU) not in links and write is not None and write.observations:
                 links[(p, tier, Tier.GPU)] = _reverse(write, tier)

@@ -129,6 +129,19 @@ def test_a_read_is_assumed_from_the_measured_write_until_it_is_measured():
     assert with_assumed_reads(unmeasured, frozenset({"cpu"})).link("cpu", Tier.DISK, Tier.GPU) is None
 
 
+def test_a_read_from_the_shared_tier_is_assumed_from_the_measured_save_to_it():
+    """A worker saving to the remote tier is timed; no one has read it yet. Without the assumed read
+    every remote alternative was refused as unpriced, so the read was never observed."""
+    size = 512 << 10
+    save = LinkCost("vllm-cpu", Tier.GPU, Tier.REMOTE, LinearCost((2e-3, 1.5e-3, 0.0)), label="fit", observations=9,
+                    page_bytes=size)
+    filled = with_assumed_reads(CostModel.build("b", [], [], []).with_link(save), frozenset({"vllm-cpu"}))
+    read = filled.link("vllm-cpu", Tier.REMOTE, Tier.GPU, size)
+    assert read is not None and read.params == save.params and read.page_bytes == size and read.observations == 0
+    assert filled.link("vllm-cpu", Tier.REMOTE, Tier.GPU, size * 2) is None  # never lent to another block size
+    assert "vllm-cpu:remote->gpu@524288B" in filled.base
+
+
 # -- the GEMM probe, repeated and bounded ---------------------------------------------------------------
 
 def test_a_repeated_probe_reports_its_median_and_spread():
