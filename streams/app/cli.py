@@ -125,7 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-prompt-tokens", type=int, default=2048)
     replay.add_argument("--max-output-tokens", type=int, default=8)
     replay.add_argument("--runs", default=None,
-                        help="which runs, comma separated (default: baseline,nexuskv; the reference engine: nexuskv)")
+                        help="which runs, comma separated, in this order: baseline (vLLM alone), nexuskv, affinity "
+                             "(vLLM behind a KV-event prefix- and load-aware router, Dynamo's cost rule), equal-bytes "
+                             "(vLLM alone with engine caches as large as NexusKV's tiers) (default: baseline,nexuskv; "
+                             "the reference engine: nexuskv)")
+    replay.add_argument("--shape", default="default", choices=["default", "skewed"],
+                        help="default: the trace's multi-turn conversations at trace time; skewed: a few hot "
+                             "conversations behind one shared prefix, openers then a burst (state must move)")
+    replay.add_argument("--hot", type=int, default=6, help="skewed shape: hot conversations")
+    replay.add_argument("--save-tier", default=None, choices=["disk", "remote"],
+                        help="where NexusKV's connectors save (default: disk; the skewed shape: remote, the shared "
+                             "tier every engine reads, a Mooncake Store started for the run unless NEXUSKV_REMOTE_TIER)")
     replay.add_argument("--engine", default="vllm", choices=["vllm", "reference"],
                         help="vllm (default), or NexusKV's reference engine for what vLLM's CPU build cannot "
                              "run: --reference-variant mla|hybrid (one run, no baseline)")
@@ -283,13 +293,15 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     shape = WorkloadShape(max_requests=args.requests or (48 if vllm else 200), conversations=args.conversations,
                           follow_ups=not args.in_order, hash_block_tokens=args.hash_block_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                          time_scale=args.time_scale or (6.0 if vllm else 10.0), warmup=args.warmup)
+                          time_scale=args.time_scale or (6.0 if vllm else 10.0), warmup=args.warmup,
+                          hot=args.hot if args.shape == "skewed" else 0)
     runs = tuple(r.strip() for r in (args.runs or "").split(",") if r.strip())
     config = ReplayConfig(trace=args.trace, out=out, shape=shape, engine=args.engine,
                           workers=args.workers or (2 if vllm else 4), model_dir=args.model,
                           model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype, runs=runs,
                           trace_to=args.trace_to or (settings.otlp_endpoint if vllm else None),
-                          variant=args.reference_variant)
+                          variant=args.reference_variant,
+                          save_tier=args.save_tier or ("remote" if args.shape == "skewed" else "disk"))
     outcome = run_replay(config, settings, progress=not args.no_progress)
     if not vllm:
         print(f"nexuskv: {outcome.runs['nexuskv'].describe()}", flush=True)

@@ -7,8 +7,11 @@ What runs, all started here and stopped at the end:
   and planner service, as ``nexuskv up`` starts them (their
   logs under ``<out>/nexuskv/logs``), and the decision sink in this process, writing into the
   replay's decision store;
+* with ``save_tier`` remote (the skewed shape's default), the shared remote tier: the
+  deployment's (``NEXUSKV_REMOTE_TIER``) or a Mooncake Store started for the run
+  (``remote_tier_bytes``; its logs beside the services'), which every engine's connector reads;
 * per engine: vLLM with NexusKV's KV connector (the README's ``--kv-transfer-config``: saves to
-  the worker's disk tier, loads what the planner decides) and vLLM's ZMQ KV-event publisher, and
+  the worker's disk tier, or to the shared remote tier, and loads what the planner decides) and vLLM's ZMQ KV-event publisher, and
   ``python -m streams.bridge`` forwarding those events to ``nexuskv.kv-events``;
 * routing: each request's canonical keys and the engines' queues go to the planner as a plan
   request; the request goes where the decision says (:class:`~streams.app.replay.routing.PlannerRouter`).
@@ -37,6 +40,7 @@ from pathlib import Path
 
 from analytics.store import DecisionStore
 from nexuskv.config import Settings
+from nexuskv.dataplane.remote_store import parse_store_address
 from nexuskv.descriptor import StateDescriptor
 from nexuskv.errors import NexusKVError
 from nexuskv.hf_config import descriptor_from_hf_config
@@ -49,9 +53,10 @@ from streams.app.services import SERVICES, start_services
 from streams.bus.broker import open_bus
 from streams.bus.process import ManagedProcess, free_port
 from streams.bus.topics import ensure_topics
+from streams.remote_tier import RemoteTierStore, local_address
 from streams.sink import DecisionSink
 
-__all__ = ["run_nexuskv", "replay_descriptor", "CPU_PROFILE", "MIN_OBSERVATIONS"]
+__all__ = ["CPU_PROFILE", "MIN_OBSERVATIONS", "replay_descriptor", "run_nexuskv"]
 
 CPU_PROFILE = "vllm-cpu"  # the hardware profile NexusKV's connector reports on vLLM's CPU platform
 MIN_OBSERVATIONS = 6  # prefills before calibration publishes a fit (the warm-up covers them)
@@ -142,10 +147,19 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
     service_env = {"NEXUSKV_DATA_DIR": str(data_dir), "NEXUSKV_CALIBRATION_MIN_OBSERVATIONS": str(MIN_OBSERVATIONS),
                    "NEXUSKV_CALIBRATION_PUBLISH": "0.5", "NEXUSKV_INDEX_SOCKET": str(socket),
                    **service_trace_env(config.trace_to)}
-    with open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s) as url:
+    with contextlib.ExitStack() as stack:
+        remote = settings.remote_tier
+        if config.save_tier == "remote" and not remote:
+            remote = local_address()
+            store_ = RemoteTierStore(parse_store_address(remote), config.remote_tier_bytes, log_dir=log_dir)
+            stack.callback(store_.stop)
+            store_.start(60.0)
+        if remote:
+            service_env["NEXUSKV_REMOTE_TIER"] = remote
+        url = stack.enter_context(open_bus(settings.broker, start_timeout_s=settings.broker_start_timeout_s))
         asyncio.run(ensure_topics(url, partitions=settings.topic_partitions, replication=settings.topic_replication))
         engine_env = {"NEXUSKV_BROKER": str(url), "NEXUSKV_DATA_DIR": str(data_dir),
-                      "NEXUSKV_INDEX_SOCKET": str(socket),
+                      "NEXUSKV_INDEX_SOCKET": str(socket), **({"NEXUSKV_REMOTE_TIER": remote} if remote else {}),
                       # vLLM imports the connector by module name: the same NexusKV as this process.
                       "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH")) if p)}
 

@@ -26,7 +26,7 @@ from nexuskv.identity import BlockKeyer, IdentityScope
 from streams.bus.clients import make_consumer, make_producer, send
 from streams.bus.tracing import finite_attributes
 
-__all__ = ["Loads", "LeastOutstanding", "PlannerRouter", "Routed"]
+__all__ = ["LeastOutstanding", "Loads", "PlannerRouter", "Routed"]
 
 
 @dataclass(slots=True)

@@ -37,8 +37,16 @@ from streams.app.replay.tracing import ReplayTracing, engine_args, engine_trace_
 from streams.app.replay.workload import ReplayRequest, Workload
 from streams.bus.tracing import finite_attributes
 
-__all__ = ["SERVED_NAME", "RunSetup", "RunResult", "outcome_attributes", "serve_stream", "request_row", "run_row",
-           "start_engines"]
+__all__ = [
+    "SERVED_NAME",
+    "RunResult",
+    "RunSetup",
+    "outcome_attributes",
+    "request_row",
+    "run_row",
+    "serve_stream",
+    "start_engines",
+]
 
 SERVED_NAME = "nexuskv-replay"  # the model's name at the engines' OpenAI endpoint
 WARM_PROMPT = tuple(range(4, 36))  # one block of token ids no trace prompt starts with

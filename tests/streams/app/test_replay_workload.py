@@ -45,3 +45,27 @@ def test_conversations_take_every_turn_of_the_first_n_in_time_order():
     assert len(w.requests) == sum(turns.values())  # every turn of each
     first = build_workload(trace, WorkloadShape(max_requests=5, follow_ups=False))
     assert [r.seq for r in first.requests] == [0, 1, 2, 3, 4] and first.skipped == len(trace) - 5
+
+
+def test_skewed_shape_puts_a_few_hot_conversations_behind_one_prefix_then_bursts_their_turns():
+    trace = load_trace(CONVERSATION_SLICE)
+    shape = WorkloadShape(max_requests=100, warmup=5, hot=4, shared_prefix_blocks=8, opener_gap_s=2.0,
+                          burst_gap_s=0.1)
+    w = build_workload(trace, shape)
+    warm, measured = w.requests[:5], w.measured
+    assert all(r.warmup for r in warm) and not any(r.warmup for r in measured) and shape.name == "skewed"
+    hot = {r.conversation for r in measured}
+    assert len(hot) == 4 and not hot & {r.conversation for r in warm}  # the warm-up is none of the hot ones
+    prefix = measured[0].tokens[: 8 * 32]
+    assert all(r.tokens[: 8 * 32] == prefix for r in measured)  # one shared prefix in front of every hot turn
+    assert not any(r.tokens[: 8 * 32] == prefix for r in warm)
+    openers, burst = measured[:4], measured[4:]
+    assert [r.arrival_s for r in openers] == [0.0, 2.0, 4.0, 6.0]  # one conversation's opener at a time
+    assert len({r.conversation for r in openers}) == 4
+    gaps = {round(b.arrival_s - a.arrival_s, 6) for a, b in zip(burst, burst[1:])}
+    assert burst and burst[0].arrival_s == 8.0 and gaps == {0.1}
+    # A later turn extends its conversation's earlier one: its history is a reusable prefix.
+    first = {r.conversation: r for r in openers}
+    assert all(r.tokens[: len(first[r.conversation].tokens) - 32] == first[r.conversation].tokens[:-32]
+               for r in burst if len(first[r.conversation].tokens) > 32)
+    assert build_workload(trace, shape).requests == w.requests  # deterministic
