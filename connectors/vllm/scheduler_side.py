@@ -212,7 +212,8 @@ class SchedulerSide:
             return 0, False
         query = PlanQuery(request_id=request_id, scope=self.scope, descriptor=self.descriptor, keys=tuple(keys),
                           prompt_tokens=len(token_ids), arrival_at=now, at_admission=False,
-                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile, loads_own_tiers=True),))
+                          candidates=(WorkerLoad(worker=self.worker, profile=self.profile, loads_own_tiers=True,
+                                                 loads_shared_tiers=Tier.REMOTE in self.readable.shared),))
         view = self._readable_view(found, local)
         for _attempt in range(2):
             p = st.plan = plan(query, view, self.cost_model(), execution, now=now)

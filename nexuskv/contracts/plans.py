@@ -46,6 +46,14 @@ class WorkerLoad(Contract):
     #: with NexusKV's KV connector): a move from them is no transfer command and cannot hide
     #: behind the queue (the load starts when the request leaves it).
     loads_own_tiers: bool = False
+    #: With ``loads_own_tiers``: the engine's connector also reads the shared remote tier itself
+    #: (NexusKV's vLLM connector with ``NEXUSKV_REMOTE_TIER``), whoever wrote the blocks there, so a
+    #: move from it is the engine's own load as well.
+    loads_shared_tiers: bool = False
+    #: A transfer executor serves this worker's transfer commands (the tier manager runs one).
+    #: False: nothing copies into its engine but the engine itself, so a move only it cannot make
+    #: (another worker's GPU, host or disk) is refused instead of planned and then missed.
+    has_executor: bool = True
 
 
 class PlanRequest(Contract):

@@ -26,12 +26,22 @@ from nexuskv.descriptor import Tier
 from nexuskv.planner.sources import Shape, Source, moved_blocks
 
 __all__ = ["Option", "Candidate", "Baseline", "Links", "Request", "RecomputeOn", "ReuseInPlace", "MoveOverLink",
-           "Prefetch", "GIB"]
+           "Prefetch", "GIB", "SHARED_TIERS", "engine_loads"]
 
 GIB = float(1 << 30)
 _RECOMPUTE, _ROUTE_TO_STATE = Action.RECOMPUTE, Action.ROUTE_TO_STATE
 _TRANSFER, _PREFETCH = Action.TRANSFER, Action.PREFETCH
 _FULL_REUSE, _PARTIAL_REUSE = Action.FULL_REUSE, Action.PARTIAL_REUSE
+SHARED_TIERS = frozenset({Tier.REMOTE})  # tiers every worker reads, whoever wrote the blocks
+
+
+def engine_loads(load: WorkerLoad, source_worker: str, source_tier: Tier) -> bool:
+    """Whether ``load``'s engine makes a move from ``source_worker``'s ``source_tier`` itself (its
+    connector loads when it schedules the request: no transfer command, no hiding behind the queue):
+    its own tiers, and the shared tiers when it reads them."""
+    if not load.loads_own_tiers:
+        return False
+    return source_worker == load.worker or (load.loads_shared_tiers and source_tier in SHARED_TIERS)
 
 
 class Option(NamedTuple):
@@ -254,6 +264,11 @@ class MoveOverLink:
             why = (f"no cost profile for link {link_tier.value}->gpu on {profile}" if link is None
                    else f"policy: no enabled backend for {link_tier.value}->gpu")
             return Option(_TRANSFER, wid, src, backend, src.prefix, rejected=why)
+        by_engine = engine_loads(load, src.worker, src.tier)
+        if not by_engine and not load.has_executor:
+            return Option(_TRANSFER, wid, src, backend, src.prefix,
+                          rejected=f"no transfer executor serves {wid}: its engine loads only its own and shared "
+                                   f"tiers, not {src.worker}/{src.tier.value}")
         # One unpacking each instead of a dozen attribute reads: this runs for every source and worker.
         n, _, shape, z, prefetch, _, _, _, _, now, slo, dispatch_by_worker = req
         bs, block_bytes, checkpoint_bytes, pages_per_block, _, _, _, layers, restore_fixed, restore_per_token = shape
@@ -269,7 +284,7 @@ class MoveOverLink:
         lp = link.params
         # A copy an executor makes starts once its command reached it (the bus, the executor's queue);
         # an engine loading its own tier starts it itself. The transfer term is delivery plus copy.
-        dispatch = 0.0 if load.loads_own_tiers and src.worker == wid else dispatch_by_worker.get(wid, 0.0)
+        dispatch = 0.0 if by_engine else dispatch_by_worker.get(wid, 0.0)
         transfer = dispatch + lp.predict(1.0, pages, nbytes)
         var_t = lp.variance(1.0, pages, nbytes)
         e = n - prefix * bs
@@ -277,7 +292,7 @@ class MoveOverLink:
         tail = w.tail_s(e, n, block_bytes)
         layered = tail * (layers - 1) / layers if layers > 1 else 0.0
         # An engine that loads its own tiers starts the copy when the request leaves its queue.
-        overlap = layered if load.loads_own_tiers and src.worker == wid else queue_s + layered
+        overlap = layered if by_engine else queue_s + layered
         interference = transfer * link.interference
         restore = restore_fixed + restore_per_token * count * bs
         visible = transfer - overlap if transfer > overlap else 0.0

@@ -15,7 +15,7 @@ from nexuskv.contracts.transfers import TransferCommand, TransferKind
 from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.planner.gate import gate_reason
-from nexuskv.planner.options import Option
+from nexuskv.planner.options import Option, engine_loads
 from nexuskv.planner.query import PlanQuery
 from nexuskv.planner.sources import block_groups
 
@@ -82,9 +82,9 @@ def actions_of(query: PlanQuery, decision: Decision, chosen: Option,
         count = len(keys)
         kind = TransferKind.PREFETCH if chosen.action is Action.PREFETCH else TransferKind.MATERIALIZE
         deadline = decision.deadline_at if decision.deadline_at is not None else now
-        if src.worker == chosen.worker and _loads_own_tiers(query, chosen.worker):
-            # The engine's connector reads its own tier when it schedules the request: no command,
-            # only the pin that keeps the source until then.
+        if _engine_loads(query, chosen.worker, src.worker, src.tier):
+            # The engine's connector reads its own tier (or the shared one) when it schedules the
+            # request: no command, only the pin that keeps the source until then.
             for g in block_groups(d):
                 hints.append(PlacementHint(hint_id=f"{rid}/h{len(hints)}", request_id=rid, tenant_namespace=tenant,
                                            prefix_root=root, kind=HintKind.PIN, worker=src.worker, tier=src.tier,
@@ -126,8 +126,8 @@ def _group_bytes(d: StateDescriptor, kv_group: int, blocks: int) -> int:
     return blocks * d.block_size * g.bytes_per_token
 
 
-def _loads_own_tiers(query: PlanQuery, worker: str) -> bool:
-    return any(c.worker == worker and c.loads_own_tiers for c in query.candidates)
+def _engine_loads(query: PlanQuery, worker: str, source_worker: str, source_tier: Tier) -> bool:
+    return any(c.worker == worker and engine_loads(c, source_worker, source_tier) for c in query.candidates)
 
 
 def fallback_decision(original: Decision, reason: str, *, now: float) -> Decision:

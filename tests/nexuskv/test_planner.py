@@ -308,6 +308,41 @@ def test_an_engine_that_loads_its_own_tiers_gets_no_command_and_no_prefetch():
     assert [t.source.worker for t in far.transfers] == ["w-b"]
 
 
+def test_the_shared_tier_is_the_engines_own_load_whoever_wrote_it():
+    """vLLM's connector with NEXUSKV_REMOTE_TIER reads the remote tier itself: history another worker
+    saved there moves to this worker's engine with no command (only a pin) and no dispatch delay."""
+    q = query(LLAMA8, 8192, [_w("w-a", loads_own_tiers=True, loads_shared_tiers=True),
+                             _w("w-b", queued_prefill_tokens=90_000, loads_own_tiers=True, loads_shared_tiers=True)])
+    nb = len(q.keys)
+    p = plan(q, lookup(nb, match("w-b", "remote", nb)), MODEL, POLICY, now=NOW, dispatch_s={"w-a": 5.0})
+    dec = p.decision
+    assert dec.action is Action.TRANSFER and dec.worker == "w-a" and dec.source.worker == "w-b", dec.reason
+    assert p.transfers == () and [h.kind for h in p.hints] == [HintKind.ROUTE, HintKind.PIN]
+    assert dec.terms.transfer_s < 5.0  # the engine starts the load itself: no command to wait for
+    # Without the shared read the same move is a command to w-a's executor (and pays its dispatch).
+    q2 = query(LLAMA8, 8192, [_w("w-a", loads_own_tiers=True),
+                              _w("w-b", queued_prefill_tokens=90_000, loads_own_tiers=True)])
+    commanded = plan(q2, lookup(nb, match("w-b", "remote", nb)), MODEL, POLICY, now=NOW)
+    assert [t.source.worker for t in commanded.transfers] == ["w-b"]
+
+
+def test_without_an_executor_only_what_the_engine_loads_itself_can_move():
+    """A replay runs no tier manager: a copy from another worker's GPU or host would be planned, wait
+    for its deadline and fall back. It is refused, named, and the request is planned without it."""
+    q = query(LLAMA8, 8192, [_w("w-a", loads_own_tiers=True, has_executor=False),
+                             _w("w-b", queued_prefill_tokens=900_000, loads_own_tiers=True, has_executor=False)])
+    nb = len(q.keys)
+    p = plan(q, lookup(nb, match("w-b", "gpu", nb), match("w-b", "host", nb)), MODEL, POLICY, now=NOW)
+    assert p.transfers == () and p.decision.worker == "w-a" and p.decision.action is Action.RECOMPUTE
+    refused = _alt(p.decision, Action.TRANSFER, "w-a")
+    assert refused and all("no transfer executor serves w-a" in (a.rejected_reason or "") for a in refused)
+    # With an executor the same copy is planned, as a command.
+    q2 = query(LLAMA8, 8192, [_w("w-a", loads_own_tiers=True),
+                              _w("w-b", queued_prefill_tokens=900_000, loads_own_tiers=True)])
+    moved = plan(q2, lookup(nb, match("w-b", "gpu", nb), match("w-b", "host", nb)), MODEL, POLICY, now=NOW)
+    assert moved.decision.worker == "w-a" and moved.transfers, moved.decision.reason
+
+
 def test_a_commanded_copy_waits_for_its_command_to_arrive():
     """A measured dispatch delay (the command's trip to the executor) is part of the transfer and of its
     deadline; a copy that no longer hides behind the queue once delivery is counted is no prefetch."""

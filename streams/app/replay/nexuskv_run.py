@@ -195,7 +195,7 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                     b.wait_ready(60.0)
                 _wait_for(socket, 60.0, "the index sidecar's socket")
                 router = PlannerRouter(url, descriptor, tuple(workers), CPU_PROFILE, prefix=replay_id,
-                                       tracer=tracing.tracer)
+                                       tracer=tracing.tracer, loads_shared_tiers=bool(remote))
                 result = asyncio.run(_serve_with_sink(url, store, workload, engines, router, progress,
                                                       SERVED_NAME, tracing, baseline_ttft or {}))
                 result.engine_ready_s = ready

@@ -45,11 +45,13 @@ class Loads:
     def first_token(self, engine: int, rid: str) -> None:
         self.waiting[engine].pop(rid, None)
 
-    def worker_load(self, engine: int, worker: str, profile: str | None, *, loads_own_tiers: bool) -> WorkerLoad:
+    def worker_load(self, engine: int, worker: str, profile: str | None, *, loads_own_tiers: bool,
+                    loads_shared_tiers: bool = False, has_executor: bool = True) -> WorkerLoad:
         ahead = list(self.waiting[engine].values())
         return WorkerLoad(worker=worker, profile=profile, queued_prefill_tokens=sum(ahead),
                           queued_prefill_requests=len(ahead),
-                          queued_prefill_token_products=sum(t * t for t in ahead), loads_own_tiers=loads_own_tiers)
+                          queued_prefill_token_products=sum(t * t for t in ahead), loads_own_tiers=loads_own_tiers,
+                          loads_shared_tiers=loads_shared_tiers, has_executor=has_executor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,8 @@ class PlannerRouter:
     prefix: str
     timeout_s: float = 60.0
     loads_own_tiers: bool = True  # vLLM's NexusKV connector reads the worker's own disk tier itself
+    loads_shared_tiers: bool = False  # ... and the shared remote tier, when the run has one
+    has_executor: bool = False  # the replay runs no tier manager: no executor copies into an engine
     tracer: trace.Tracer = field(default_factory=trace.NoOpTracer)
     _decisions: dict[str, Decision] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -153,7 +157,9 @@ class PlannerRouter:
         started = time.perf_counter()
         d = self.descriptor
         keys = self._keyer.keys(list(tokens))  # type: ignore[union-attr]
-        candidates = tuple(loads.worker_load(i, w, self.profile, loads_own_tiers=self.loads_own_tiers)
+        candidates = tuple(loads.worker_load(i, w, self.profile, loads_own_tiers=self.loads_own_tiers,
+                                             loads_shared_tiers=self.loads_shared_tiers,
+                                             has_executor=self.has_executor)
                            for i, w in enumerate(self.workers))
         ctx = span.get_span_context()
         request = PlanRequest(request_id=pid, scope=IdentityScope.of(d), block_size=d.block_size,
