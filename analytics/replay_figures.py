@@ -13,11 +13,11 @@ loads the engines' connectors decided: planned vs completed, and tokens loaded p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 
-__all__ = ["RunFigures", "ReplayFigures", "TracePointers", "TracedRequest", "replay_figures", "latest_replay_id"]
+__all__ = ["ReplayFigures", "RunFigures", "TracePointers", "TracedRequest", "latest_replay_id", "replay_figures"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +71,12 @@ class ReplayFigures:
     transfers_fell_back: int  # recomputed instead: the load failed or came too late
     tokens_loaded_by_tier: dict[str, int]
     traces: TracePointers | None = None  # a traced replay's requests to open first
+    tokens_from_others: int = 0  # measured loads' tokens whose state another worker produced
+    differing_by_run: dict[str, int] = field(default_factory=dict)  # other run -> outputs unlike NexusKV's
 
-    def ratio(self, field_name: str) -> float | None:
-        """NexusKV / baseline of a RunFigures field over the measured requests."""
-        a, b = self.measured.get("nexuskv"), self.measured.get("baseline")
+    def ratio(self, field_name: str, against: str = "baseline") -> float | None:
+        """NexusKV / ``against`` (a run of the replay) of a RunFigures field over the measured requests."""
+        a, b = self.measured.get("nexuskv"), self.measured.get(against)
         if a is None or b is None:
             return None
         x, y = getattr(a, field_name), getattr(b, field_name)
@@ -136,12 +138,18 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
     tiers = dict(con.execute(f"SELECT coalesce(source_tier, 'none'), sum(reused_tokens) FROM ({decided}) "
                              "WHERE reused_tokens > 0 GROUP BY ALL ORDER BY 1", [replay_id]).fetchall())
     loads = con.execute(
-        "SELECT tier, sum(loads_planned), sum(loads_completed), sum(loads_fell_back), sum(tokens_loaded) "
+        "SELECT tier, sum(loads_planned), sum(loads_completed), sum(loads_fell_back), sum(tokens_loaded), "
+        "sum(tokens_from_others) "
         "FROM replay_loads WHERE replay_id = ? AND run = 'nexuskv' AND phase = 'measured' GROUP BY tier ORDER BY tier",
         [replay_id]).fetchall()
     planned = sum(int(r[1] or 0) for r in loads)
     completed = sum(int(r[2] or 0) for r in loads)
     fell_back = sum(int(r[3] or 0) for r in loads)
+    differing = dict(con.execute(
+        "SELECT o.run, count(*) FILTER (WHERE o.output_digest <> n.output_digest) FROM replay_requests n "
+        "JOIN replay_requests o ON o.replay_id = n.replay_id AND o.request_id = n.request_id AND o.run <> n.run "
+        "WHERE n.replay_id = ? AND n.run = 'nexuskv' AND n.error IS NULL AND o.error IS NULL GROUP BY o.run "
+        "ORDER BY o.run", [replay_id]).fetchall())
     return ReplayFigures(
         replay_id=replay_id, measured=_runs(con, replay_id, "measured"), warmup=_runs(con, replay_id, "warm-up"),
         compared=int(one[0] or 0), differing_outputs=int(one[1] or 0), mean_observed_eg_s=one[2],
@@ -150,16 +158,54 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         actions={k: int(v) for k, v in actions.items()},
         reused_tokens_by_tier={k: int(v) for k, v in tiers.items()}, transfers_planned=planned,
         transfers_completed=completed, transfers_fell_back=fell_back,
-        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads}, traces=_traces(con, replay_id))
+        tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads}, traces=_traces(con, replay_id),
+        tokens_from_others=sum(int(r[5] or 0) for r in loads),
+        differing_by_run={str(k): int(v) for k, v in differing.items()})
 
 
 def _s(v: float | None, unit: str = "s") -> str:
     return "-" if v is None else f"{v:.3f} {unit}".rstrip()
 
 
+RUN_ORDER = ("baseline", "affinity", "equal-bytes", "nexuskv")
+_ROWS = (("requests", "requests"), ("errors", "errors"), ("TTFT mean (s)", "mean_ttft_s"),
+         ("TTFT p50 (s)", "p50_ttft_s"), ("TTFT p95 (s)", "p95_ttft_s"), ("TTFT p99 (s)", "p99_ttft_s"),
+         ("end-to-end mean (s)", "mean_e2e_s"), ("end-to-end p99 (s)", "p99_e2e_s"),
+         ("prompt tokens", "prompt_tokens"), ("prompt tokens recomputed", "recomputed_tokens"))
+
+
+def _cell(v) -> str:
+    return f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else str(v)):>14}"
+
+
+def _render_arms(fig: ReplayFigures, runs: list[str], others: list[str]) -> str:
+    lines = [f"== replay {fig.replay_id}: measured requests (warm-up excluded) =="]
+    lines.append(f"{'':28}" + "".join(f"{r:>14}" for r in runs))
+    for label, name in _ROWS:
+        lines.append(f"{label:28}" + "".join(_cell(getattr(fig.measured[r], name)) for r in runs))
+    for name, label in (("mean_ttft_s", "TTFT mean"), ("p99_ttft_s", "TTFT p99")):
+        parts = [f"{o} {r:.3f}" for o in others if (r := fig.ratio(name, o)) is not None]
+        lines.append(f"NexusKV / each run, {label}: " + ", ".join(parts))
+    lines.append("outputs differing from NexusKV's: "
+                 + ", ".join(f"{o} {fig.differing_by_run.get(o, 0)}" for o in others))
+    loaded = sum(fig.tokens_loaded_by_tier.values())
+    lines.append(f"tokens NexusKV loaded: {loaded}, of them produced by another worker: {fig.tokens_from_others}"
+                 + (f" ({fig.tokens_from_others / loaded:.0%})" if loaded else "")
+                 + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned"
+                 + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else ""))
+    lines.append("median relative error of the predicted time from decision to first token: after warm-up "
+                 + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}"))
+    if fig.actions:
+        lines.append("NexusKV decisions: " + ", ".join(f"{k} {v}" for k, v in fig.actions.items()))
+    return "\n".join(lines)
+
+
 def render(fig: ReplayFigures) -> str:
     """The replay's figures as text: both runs side by side, then the comparison and the prediction."""
-    runs = [r for r in ("baseline", "nexuskv") if r in fig.measured]
+    runs = [r for r in RUN_ORDER if r in fig.measured]
+    others = [r for r in runs if r != "nexuskv"] if "nexuskv" in runs else []
+    if len(others) > 1:  # more arms than one baseline: one table of runs, then NexusKV's ratio to each
+        return _render_arms(fig, runs, others)
     lines = [f"== replay {fig.replay_id}: measured requests (warm-up excluded) =="]
     header = f"{'':28}" + "".join(f"{r:>14}" for r in runs) + ("      ratio" if len(runs) == 2 else "")
     lines.append(header)

@@ -31,7 +31,9 @@ first token: the client's TTFT less the routing round trip, ``routing_s``, which
 and the figures report apart) and whether the outputs were equal;
 ``replay_loads`` (view) — per run, phase and source tier: the loads the engines' connectors
 decided (revision 0 of their decisions; vLLM names a request ``<the client's id>-<n>-<random>``), how many completed (no fallback record, the worker's
-copy reported ok), fell back to recompute, and the tokens and bytes loaded.
+copy reported ok), fell back to recompute, and the tokens and bytes loaded; ``tokens_from_others``:
+the tokens of completed loads whose state another worker produced (the decision's source worker is
+not the worker that loads it: state moved to the compute, through the shared tier).
 ``replay_summary`` (view) — per run and phase (warm-up, measured): TTFT mean and percentiles,
 end-to-end latency, prompt tokens recomputed.
 
@@ -283,7 +285,8 @@ REPLAY_VIEWS: dict[str, str] = {
     "replay_loads": """
         CREATE OR REPLACE VIEW replay_loads AS
         WITH planned AS (
-            SELECT r.replay_id, r.run, r.warmup, d.request_id, d.source_tier
+            SELECT r.replay_id, r.run, r.warmup, d.request_id, d.source_tier,
+                   d.source_worker IS DISTINCT FROM d.worker AS from_other
             FROM replay_requests r JOIN decisions d ON d.revision = 0 AND r.engine_request_id IS NOT NULL
                 AND (d.request_id = r.engine_request_id OR starts_with(d.request_id, r.engine_request_id || '-'))
             WHERE d.action IN ('transfer', 'prefetch')
@@ -300,7 +303,9 @@ REPLAY_VIEWS: dict[str, str] = {
                count(*) FILTER (WHERE s.request_id IS NOT NULL) AS loads_fell_back,
                coalesce(sum(c.blocks), 0) * any_value(CAST(json_extract(u.config_json, '$.block_size') AS BIGINT))
                    AS tokens_loaded,
-               coalesce(sum(c.bytes), 0) AS bytes_loaded, avg(c.load_s) AS mean_load_s
+               coalesce(sum(c.bytes), 0) AS bytes_loaded, avg(c.load_s) AS mean_load_s,
+               coalesce(sum(c.blocks) FILTER (WHERE p.from_other AND s.request_id IS NULL), 0)
+                   * any_value(CAST(json_extract(u.config_json, '$.block_size') AS BIGINT)) AS tokens_from_others
         FROM planned p
         LEFT JOIN superseded s ON s.request_id = p.request_id
         LEFT JOIN copied c ON c.request_id = p.request_id
