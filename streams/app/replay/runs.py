@@ -96,6 +96,7 @@ class RunResult:
     started_at: float
     wall_s: float
     engine_ready_s: list[float]
+    router_stats: dict[str, int] = field(default_factory=dict)  # what the router counted (the affinity arm's events)
 
 
 def start_engines(setup: RunSetup, workers: Sequence[str], ports: Sequence[int], cores: int) -> list[VllmEngine]:
