@@ -53,7 +53,7 @@ from nexuskv.cost import CostModel
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import GranularityKind, StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
-from nexuskv.errors import ConfigError
+from nexuskv.errors import ConfigError, TierUnavailableError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import IndexView, LocationMatch, LookupResult
 from nexuskv.planner import Plan, PlanQuery, fallback_decision, plan
@@ -65,6 +65,8 @@ __all__ = ["Probe", "Readable", "Scheduled", "SchedulerSide", "check_descriptor"
 log = logging.getLogger("nexuskv.vllm")
 
 #: Which of these payloads does a tier hold (True per key, in order)?
+#: Which of ``keys`` the tier holds now. A tier that cannot be asked raises TierUnavailableError
+#: (or OSError); the scheduler side then takes it as holding none of them (recompute, save again).
 Probe = Callable[[Tier, Sequence[PayloadKey]], Sequence[bool]]
 
 
@@ -156,7 +158,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._plans: dict[str, Plan] = {}  # decisions whose loads are in flight (for their fallback record)
         self.stats = {"asked": 0, "deferred": 0, "matched_tokens": 0, "source_missing_blocks": 0,
-                      "blocks_to_save": 0, "loads_finished": 0, "loads_failed": 0, "decisions": 0}
+                      "blocks_to_save": 0, "loads_finished": 0, "loads_failed": 0, "decisions": 0,
+                      "tier_probes_failed": 0}
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -228,7 +231,7 @@ class SchedulerSide:
                 st.reason = f"planner moves blocks [{start}, {end}) but the engine holds {local}"
                 return 0, False
             did = self.descriptor.descriptor_id
-            held = self.probe(src.tier, [PayloadKey(did, k, self._group) for k in keys[start:end]])
+            held = self._probe(src.tier, [PayloadKey(did, k, self._group) for k in keys[start:end]])
             readable = next((i for i, ok in enumerate(held) if not ok), len(held))
             if readable == end - start:
                 break
@@ -264,8 +267,20 @@ class SchedulerSide:
         if not said:
             return 0
         did = self.descriptor.descriptor_id
-        held = self.probe(tier, [PayloadKey(did, k, self._group) for k in keys[:said]])
+        held = self._probe(tier, [PayloadKey(did, k, self._group) for k in keys[:said]])
         return next((i for i, ok in enumerate(held) if not ok), said)
+
+    def _probe(self, tier: Tier, keys: Sequence[PayloadKey]) -> Sequence[bool]:
+        """:attr:`probe`, with a tier that cannot be asked (a remote store gone) holding nothing: this
+        runs on vLLM's scheduler thread, where an exception kills the engine."""
+        try:
+            return self.probe(tier, keys)
+        except (TierUnavailableError, OSError) as exc:
+            self.stats["tier_probes_failed"] += 1
+            if self.stats["tier_probes_failed"] in (1, 10, 100) or self.stats["tier_probes_failed"] % 1000 == 0:
+                log.warning("%s: the %s tier cannot be asked (%d times so far), taken as holding nothing: %s",
+                            self.worker, tier.value, self.stats["tier_probes_failed"], exc)
+            return [False] * len(keys)
 
     def _readable_view(self, found: LookupResult, local_blocks: int) -> LookupResult:
         """The lookup narrowed to what this worker can read, its own tiers under its own name, plus

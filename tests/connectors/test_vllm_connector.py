@@ -27,7 +27,7 @@ from nexuskv.contracts.decisions import Action
 from nexuskv.dataplane import BackendCatalog, DiskBackend, RemoteBackend
 from nexuskv.dataplane.payload import PayloadKey
 from nexuskv.descriptor import Tier
-from nexuskv.errors import ConfigError
+from nexuskv.errors import ConfigError, TierUnavailableError
 from nexuskv.identity import BlockKeyer, IdentityScope
 from nexuskv.lookup import LookupResult
 from nexuskv.reference_engine import ReferenceEngine, ReferenceModelSpec, TinyModel
@@ -197,6 +197,20 @@ def test_a_payload_deleted_behind_its_back_is_not_offered_and_is_saved_again(wor
     assert engine.scheduler.stats["source_missing_blocks"] == 3  # blocks 3-5: the prefix ends at the hole
     assert served.saved_blocks == 1 and _disk.path(victim).is_file()  # block 3 is written again
     assert engine.worker.stats["blocks_already_held"] == 2  # blocks 4 and 5 are still there, and announced
+
+
+def test_a_tier_that_cannot_be_asked_holds_nothing_and_the_engine_recomputes(world):
+    # A remote store killed mid-replay made the probe raise on vLLM's scheduler thread, which killed
+    # the engine core (EngineDeadError for every request after it). It is a miss now, counted.
+    engine = _saved_then_cleared(world)
+
+    def gone(tier, keys):
+        raise TierUnavailableError(f"the {tier.value} tier cannot be reached")
+    engine.scheduler.probe = gone
+    served = engine.serve("r2", PROMPT)
+    assert served.matched_tokens == 0 and served.loaded_tokens == 0 and served.result.reused_tokens == 0
+    assert (served.result.logits - _reference_logits("gqa")).abs().max().item() <= TOL
+    assert engine.scheduler.stats["tier_probes_failed"] >= 1
 
 
 def test_a_corrupt_payload_is_a_load_error_recomputes_and_is_announced_removed(world):
