@@ -40,7 +40,12 @@ from nexuskv.policy import ExecutionPolicy
 from nexuskv.priors import ColdStart
 from streams.bus.policy_file import PolicyFile
 
-__all__ = ["disk_root", "tier_state_dir", "build_scheduler_side", "build_worker_side"]
+__all__ = ["PROBE_DEADLINE_S", "disk_root", "tier_state_dir", "build_scheduler_side", "build_worker_side"]
+
+#: Deadline of the scheduler side's remote-tier probe: it blocks vLLM's scheduler thread, and a
+#: healthy store reads thousands of headers in milliseconds. Past it the tier holds nothing
+#: (recompute) and the store's breaker opens: one stalled step, not one per request.
+PROBE_DEADLINE_S = 1.0
 
 
 def tier_state_dir(config: ConnectorConfig, settings: Settings) -> Path:
@@ -80,7 +85,7 @@ def build_scheduler_side(config: ConnectorConfig, *, settings: Settings | None =
             # The worker writes these files in its own process: read them, not a second backend's index.
             return [stored_header(root, k) is not None for k in keys]
         if tier is Tier.REMOTE and remote is not None:
-            return [h is not None for h in remote.headers(keys)]
+            return [h is not None for h in remote.headers(keys, deadline_s=PROBE_DEADLINE_S)]
         return [False] * len(keys)
 
     profile = config.profile or policy.planner.default_hardware_profile

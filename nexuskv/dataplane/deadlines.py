@@ -14,6 +14,13 @@ transport plus the queue) a new call fails at once instead of piling up.
 
 Daemon threads, not a ``concurrent.futures`` pool: a pool's workers are joined at interpreter
 exit, so one call stuck in the library would hang the process's exit.
+
+A deadline bounds one call; :class:`Breaker` bounds what a dead service costs its callers over
+many. Once a call failed for unavailability, calls fail at once for a backoff (1 s, doubling to
+30 s) instead of each waiting out its deadline: with its store killed, a vLLM engine's scheduler
+thread waited 10 s on every probe of the remote tier (a request every ~10 s, where it served one a
+second). When the backoff ends, one cheap check (``alive``: the service's port accepts a
+connection) decides whether calls are let through again; the first call that succeeds closes it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -28,7 +36,7 @@ from typing import Any, TypeVar
 
 from nexuskv.errors import TierUnavailableError
 
-__all__ = ["DeadlineCalls"]
+__all__ = ["Breaker", "DeadlineCalls"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,3 +140,65 @@ class DeadlineCalls:
         """Stop the threads once their current calls return (a stuck call keeps its thread)."""
         for _ in self._threads:
             self._work.put(None)
+
+
+class Breaker:
+    """Fails calls at once while a service is known down; thread-safe; ``clock`` is monotonic seconds."""
+
+    def __init__(self, name: str, *, alive: Callable[[], bool], first_backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.alive = alive
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.clock = clock
+        self.opened = 0  # times it went from closed to open
+        self.short_circuited = 0  # calls failed at once while open
+        self._lock = threading.Lock()
+        self._open_until: float | None = None  # None: closed
+        self._backoff_s = first_backoff_s
+        self._reason = ""
+
+    @property
+    def is_open(self) -> bool:
+        return self._open_until is not None
+
+    def check(self, what: str) -> None:
+        """Raise TierUnavailableError for ``what`` while open; let it through when closed, or when
+        the backoff ended and ``alive()`` says the service answers again."""
+        with self._lock:
+            until = self._open_until
+            if until is None:
+                return
+            now = self.clock()
+            if now >= until:
+                if self.alive():
+                    self._open_until = now + self._backoff_s  # half open: this call tries, others wait
+                    return
+                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+                self._open_until = now + self._backoff_s
+            self.short_circuited += 1
+            left = self._open_until - now
+            reason = self._reason
+        raise TierUnavailableError(f"{self.name}: {what} not tried: the service is down ({reason}); "
+                                   f"next try in {left:.1f}s")
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            if self._open_until is None:
+                self.opened += 1
+                self._backoff_s = self.first_backoff_s
+                log.warning("%s: down (%s); calls fail at once for %.1fs", self.name, reason, self._backoff_s)
+            else:
+                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+            self._open_until = self.clock() + self._backoff_s
+            self._reason = reason
+
+    def succeeded(self) -> None:
+        if self._open_until is None:
+            return
+        with self._lock:
+            if self._open_until is not None:
+                log.warning("%s: answering again", self.name)
+            self._open_until = None
+            self._backoff_s = self.first_backoff_s

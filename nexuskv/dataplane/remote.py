@@ -49,6 +49,13 @@ Every object is hard-pinned: the store never evicts on its own, and a full store
 not decide. Capacity and use are the store's own (its admin endpoint's gauges), headers included:
 a payload of ``n`` bytes uses ``n + 128``. The admin endpoint is called with ``timeout_s``; one
 client (a fixed set of Mooncake threads) per backend, shared by every thread.
+
+**A store that is gone costs one deadline, not one per call.** A call that overran or got a
+Mooncake transport error opens the store's :class:`~nexuskv.dataplane.deadlines.Breaker` (one per
+store address in a process, shared by its backends): until
+the store's master accepts connections again, calls fail at once (TierUnavailableError, counted
+``short_circuited``), so the engine's probes and loads recompute and its saves are dropped
+without waiting; the first call that succeeds closes it.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ import torch
 from nexuskv.dataplane.backend import Reservation, StagedBackend, host_view
 from nexuskv.dataplane.capabilities import Capabilities
 from nexuskv.dataplane.cuda import cuda_available
-from nexuskv.dataplane.deadlines import DeadlineCalls
+from nexuskv.dataplane.deadlines import Breaker, DeadlineCalls
 from nexuskv.dataplane.payload import HEADER_BYTES, PayloadHandle, PayloadHeader, PayloadKey, verify_payload
 from nexuskv.dataplane.remote_store import (
     KEY_PREFIX,
@@ -92,6 +99,7 @@ _OBJECT_NOT_FOUND = -704
 _OBJECT_ALREADY_EXISTS = -705
 _BUSY = (-703, -706, -714)  # replica not ready (a put in progress), lease held, replica in use
 _LEASE_EXPIRED = -707
+_RPC_FAIL = -900  # the master or a segment did not answer
 
 
 def _mooncake():
@@ -103,6 +111,20 @@ def _mooncake():
         raise TierUnavailableError(f"the Mooncake Store client cannot be loaded ({exc}); install it with "
                                    "`bash infra/store/install.sh && python -m pip install -e .`") from None
     return MooncakeDistributedStore, ReplicateConfig
+
+
+_breakers: dict[StoreAddress, Breaker] = {}
+_breakers_lock = threading.Lock()
+
+
+def _breaker_for(address: StoreAddress) -> Breaker:
+    """One breaker per store in a process: the scheduler's probes and the worker's loads and saves
+    are separate backends of one engine, and a store one of them found down is down for all."""
+    with _breakers_lock:
+        b = _breakers.get(address)
+        if b is None:
+            b = _breakers[address] = Breaker(f"remote tier {address}", alive=lambda: reachable(address, 0.5))
+        return b
 
 
 class RemoteBackend(StagedBackend):
@@ -143,6 +165,7 @@ class RemoteBackend(StagedBackend):
         if capacity <= 0:
             raise TierUnavailableError(f"remote tier {address}: the store has no memory segment mounted")
         store_cls, config_cls = _mooncake()
+        self._breaker = _breaker_for(self._addr)
         self._calls = DeadlineCalls(f"remote tier {address}", threads=4, max_outstanding=64)
         self._store = store_cls()
         local = local_host_for(self._addr, timeout_s)
@@ -208,18 +231,20 @@ class RemoteBackend(StagedBackend):
     def header(self, key: PayloadKey) -> PayloadHeader | None:
         return self.headers([key])[0]
 
-    def headers(self, keys: Sequence[PayloadKey]) -> list[PayloadHeader | None]:
+    def headers(self, keys: Sequence[PayloadKey], *, deadline_s: float | None = None) -> list[PayloadHeader | None]:
+        """The stored headers of ``keys`` (None: not held), each call within ``deadline_s`` (default
+        ``timeout_s``; an engine's scheduler thread asks with a shorter one)."""
         out: list[PayloadHeader | None] = []
         for start in range(0, len(keys), _HEADS_PER_CALL):
             chunk = list(keys[start:start + _HEADS_PER_CALL])
             names = [object_name(k) for k in chunk]
-            heads = self._take_heads()
+            heads = self._take_heads(deadline_s)
             codes = self._call(
                 f"reading {len(chunk)} headers",
                 lambda: self._store.get_into_ranges([heads.ctypes.data], [names],
                                                     [[[i * HEADER_BYTES] for i in range(len(chunk))]],
                                                     [[[0]] * len(chunk)], [[[HEADER_BYTES]] * len(chunk)]),
-                on_late=lambda: self._give_heads(heads))
+                on_late=lambda: self._give_heads(heads), deadline_s=deadline_s)
             raw = heads[:len(chunk) * HEADER_BYTES].tobytes()
             self._give_heads(heads)
             for i, (key, code) in enumerate(zip(chunk, codes[0])):
@@ -229,17 +254,17 @@ class RemoteBackend(StagedBackend):
                 elif got in (_OBJECT_NOT_FOUND, _LEASE_EXPIRED, _INVALID_PARAMS):
                     out.append(None)
                 else:
-                    raise TierUnavailableError(f"remote tier {self.address}: reading the header of {key} "
-                                               f"failed (Mooncake error {got})")
+                    raise self._transport_failed(f"remote tier {self.address}: reading the header of {key} "
+                                                 f"failed (Mooncake error {got})")
         return out
 
-    def _take_heads(self) -> np.ndarray:
+    def _take_heads(self, deadline_s: float | None = None) -> np.ndarray:
         with self._heads_lock:
             if self._heads_free:
                 return self._heads_free.pop()
         heads = np.zeros(_HEADS_PER_CALL * HEADER_BYTES, dtype=np.uint8)
         rc = self._call("registering a header buffer",
-                        lambda: self._store.register_buffer(heads.ctypes.data, heads.nbytes))
+                        lambda: self._store.register_buffer(heads.ctypes.data, heads.nbytes), deadline_s=deadline_s)
         if rc != 0:
             raise TierUnavailableError(f"remote tier {self.address}: cannot register a header buffer ({rc})")
         return heads
@@ -254,9 +279,23 @@ class RemoteBackend(StagedBackend):
         except TierUnavailableError as exc:  # the buffer stays registered: a few hundred KiB
             log.warning("remote tier: %s", exc)
 
-    def _call(self, what: str, fn, *, on_late=None):
-        """``fn()`` on the backend's Mooncake threads, within ``timeout_s`` (TierUnavailableError past it)."""
-        return self._calls.call(what, fn, deadline_s=self.timeout_s, on_late=on_late)
+    def _call(self, what: str, fn, *, on_late=None, deadline_s: float | None = None):
+        """``fn()`` on the backend's Mooncake threads, within ``deadline_s`` (default ``timeout_s``;
+        TierUnavailableError past it, or at once while the store is known down)."""
+        self._breaker.check(what)
+        try:
+            result = self._calls.call(what, fn, deadline_s=self.timeout_s if deadline_s is None else deadline_s,
+                                      on_late=on_late)
+        except TierUnavailableError as exc:
+            self._breaker.failed(str(exc))
+            raise
+        self._breaker.succeeded()
+        return result
+
+    def _transport_failed(self, message: str) -> TierUnavailableError:
+        """A Mooncake error that says the store did not answer: the breaker opens; raise the result."""
+        self._breaker.failed(message)
+        return TierUnavailableError(message)
 
     def _checked_header(self, key: PayloadKey, raw: bytes) -> PayloadHeader | None:
         """The stored header when it names ``key``; None (a miss, logged) when it is not a header of it."""
@@ -337,6 +376,8 @@ class RemoteBackend(StagedBackend):
                 raise IntegrityError(f"{key}: the stored object is not a {n}-byte payload with its header")
             if got == _LEASE_EXPIRED:
                 raise IntegrityError(f"{key}: the read outlived its lease; its bytes may be torn")
+            if got == _RPC_FAIL:
+                raise self._transport_failed(f"remote tier {self.address}: GET {key} failed (Mooncake error {got})")
             if got != HEADER_BYTES + n:
                 size = self._call(f"sizing {key}", lambda: self._store.get_size(name))
                 if size not in (HEADER_BYTES + n, _OBJECT_NOT_FOUND):
@@ -396,7 +437,8 @@ class RemoteBackend(StagedBackend):
             capacity, used = self._capacity()
             raise TierFullError(f"{self.label}: remote tier full: {header.nbytes} bytes for {header.key} do not fit "
                                 f"({capacity - used} of {capacity} free)")
-        raise TierUnavailableError(f"{self.label}: PUT {header.key} failed (Mooncake error {rc})")
+        message = f"{self.label}: PUT {header.key} failed (Mooncake error {rc})"
+        raise self._transport_failed(message) if rc == _RPC_FAIL else TierUnavailableError(message)
 
     def _check_existing(self, header: PayloadHeader) -> None:
         """The store already holds an object under ``header``'s name: acknowledge the save only if
@@ -461,7 +503,8 @@ class RemoteBackend(StagedBackend):
         calls = self._calls
         return {"conflicts": self.conflicts, "overruns": calls.overruns, "refused_calls": calls.refused,
                 "late_returns": calls.late, "delete_retries": self.delete_retries,
-                "forced_deletes": self.forced_deletes}
+                "forced_deletes": self.forced_deletes, "short_circuited": self._breaker.short_circuited,
+                "store_down": self._breaker.opened}
 
     def close(self) -> None:
         if not getattr(self, "_closed", True):

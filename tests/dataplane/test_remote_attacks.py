@@ -438,3 +438,37 @@ def test_deletes_are_not_starved_by_nonstop_readers(store):
     for r in readers:
         r.close()
     backend.close()
+
+
+def test_a_killed_store_costs_one_deadline_then_calls_fail_at_once(store):
+    """Both store processes killed (SIGKILL): Mooncake's client answers the first call with an RPC
+    failure, then blocks every later call for its own timeouts, so each waited out its deadline (a
+    vLLM engine's scheduler thread waited 10 s on every remote probe after such a kill). Now the
+    first failure opens the backend's breaker: later calls fail at once while the master's port
+    refuses, counted."""
+    backend = RemoteBackend(store.address, timeout_s=2)
+    other = RemoteBackend(store.address, timeout_s=2)  # another backend of the process (a worker beside a scheduler)
+    h, d = payload(1, MIB)
+    backend.put(h, d)
+    for pid in store.pids():
+        os.kill(pid, signal.SIGKILL)
+    calls = {"headers": lambda: backend.headers([h.key] * 35),
+             "read": lambda: backend.read_into(h.key, torch.empty(MIB, dtype=torch.uint8)),
+             "put": lambda: backend.put(*payload(2, MIB))}
+    took = []
+    for _ in range(3):
+        for name, fn in calls.items():
+            t0 = time.monotonic()
+            with pytest.raises(TierUnavailableError):
+                fn()
+            took.append((name, round(time.monotonic() - t0, 3)))
+    assert took[0][1] <= 2 + 1, took
+    assert all(t < 0.6 for _, t in took[1:]), took  # at most the 0.5 s check that the port still refuses
+    counters = backend.counters()
+    assert counters["store_down"] == 1 and counters["short_circuited"] >= 6, counters
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError, match="not tried: the service is down"):
+        other.headers([h.key], deadline_s=0.5)  # the store's breaker is one per process: no deadline waited
+    assert time.monotonic() - t0 < 0.6
+    backend.close()
+    other.close()
