@@ -73,6 +73,9 @@ class ReplayFigures:
     traces: TracePointers | None = None  # a traced replay's requests to open first
     tokens_from_others: int = 0  # measured loads' tokens whose state another worker produced
     differing_by_run: dict[str, int] = field(default_factory=dict)  # other run -> outputs unlike NexusKV's
+    # Measured requests the router planned to load from a tier whose engine then loaded nothing
+    # (the connector found the source did not hold it, or could not be asked: a store gone).
+    moves_not_made: int = 0
 
     def ratio(self, field_name: str, against: str = "baseline") -> float | None:
         """NexusKV / ``against`` (a run of the replay) of a RunFigures field over the measured requests."""
@@ -145,6 +148,13 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
     planned = sum(int(r[1] or 0) for r in loads)
     completed = sum(int(r[2] or 0) for r in loads)
     fell_back = sum(int(r[3] or 0) for r in loads)
+    not_made = con.execute(
+        "SELECT count(*) FROM replay_requests r JOIN decisions d ON d.request_id = r.decision_id AND d.revision = 0 "
+        "WHERE r.replay_id = ? AND r.run = 'nexuskv' AND NOT r.warmup AND d.action IN ('transfer', 'prefetch') "
+        "AND d.source_tier IS DISTINCT FROM 'gpu' AND r.engine_request_id IS NOT NULL AND NOT EXISTS ("
+        "SELECT 1 FROM decisions e WHERE e.revision = 0 AND e.action IN ('transfer', 'prefetch') "
+        "AND (e.request_id = r.engine_request_id OR starts_with(e.request_id, r.engine_request_id || '-')))",
+        [replay_id]).fetchall()[0][0]
     differing = dict(con.execute(
         "SELECT o.run, count(*) FILTER (WHERE o.output_digest <> n.output_digest) FROM replay_requests n "
         "JOIN replay_requests o ON o.replay_id = n.replay_id AND o.request_id = n.request_id AND o.run <> n.run "
@@ -160,7 +170,7 @@ def replay_figures(con: duckdb.DuckDBPyConnection, replay_id: str | None = None)
         transfers_completed=completed, transfers_fell_back=fell_back,
         tokens_loaded_by_tier={str(r[0]): int(r[4] or 0) for r in loads}, traces=_traces(con, replay_id),
         tokens_from_others=sum(int(r[5] or 0) for r in loads),
-        differing_by_run={str(k): int(v) for k, v in differing.items()})
+        differing_by_run={str(k): int(v) for k, v in differing.items()}, moves_not_made=int(not_made or 0))
 
 
 def _s(v: float | None, unit: str = "s") -> str:
@@ -178,6 +188,11 @@ def _cell(v) -> str:
     return f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else str(v)):>14}"
 
 
+def _not_made(fig: ReplayFigures) -> str:
+    return (f"; {fig.moves_not_made} planned moves not loaded by their engine (recomputed: the source did not "
+            "hold them or could not be asked)") if fig.moves_not_made else ""
+
+
 def _render_arms(fig: ReplayFigures, runs: list[str], others: list[str]) -> str:
     lines = [f"== replay {fig.replay_id}: measured requests (warm-up excluded) =="]
     lines.append(f"{'':28}" + "".join(f"{r:>14}" for r in runs))
@@ -192,7 +207,8 @@ def _render_arms(fig: ReplayFigures, runs: list[str], others: list[str]) -> str:
     lines.append(f"tokens NexusKV loaded: {loaded}, of them produced by another worker: {fig.tokens_from_others}"
                  + (f" ({fig.tokens_from_others / loaded:.0%})" if loaded else "")
                  + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned"
-                 + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else ""))
+                 + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else "")
+                 + _not_made(fig))
     lines.append("median relative error of the predicted time from decision to first token: after warm-up "
                  + ("-" if fig.median_ttft_rel_error is None else f"{fig.median_ttft_rel_error:.1%}"))
     if fig.actions:
@@ -235,6 +251,7 @@ def render(fig: ReplayFigures) -> str:
                      + (", ".join(f"{k} {v}" for k, v in fig.reused_tokens_by_tier.items()) or "none")
                      + f"; transfers completed {fig.transfers_completed} of {fig.transfers_planned} planned"
                      + (f" ({fig.transfers_fell_back} fell back to recompute)" if fig.transfers_fell_back else "")
+                     + _not_made(fig)
                      + "; tokens loaded by tier: "
                      + (", ".join(f"{k} {v}" for k, v in fig.tokens_loaded_by_tier.items()) or "none"))
     if fig.traces is not None:
