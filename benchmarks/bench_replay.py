@@ -83,7 +83,7 @@ def _row(fig: ReplayFigures, wall_s: float, order: tuple[str, ...]) -> dict:
                 "unpredicted": fig.unpredicted, "transfers_planned": fig.transfers_planned,
                 "transfers_completed": fig.transfers_completed, "transfers_fell_back": fig.transfers_fell_back,
                 "tokens_loaded_by_tier": fig.tokens_loaded_by_tier, "tokens_from_others": fig.tokens_from_others,
-                "actions": fig.actions})
+                "moves_not_made": fig.moves_not_made, "actions": fig.actions})
     return row
 
 
