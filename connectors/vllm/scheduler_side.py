@@ -64,7 +64,6 @@ __all__ = ["Probe", "Readable", "Scheduled", "SchedulerSide", "check_descriptor"
 
 log = logging.getLogger("nexuskv.vllm")
 
-#: Which of these payloads does a tier hold (True per key, in order)?
 #: Which of ``keys`` the tier holds now. A tier that cannot be asked raises TierUnavailableError
 #: (or OSError); the scheduler side then takes it as holding none of them (recompute, save again).
 Probe = Callable[[Tier, Sequence[PayloadKey]], Sequence[bool]]

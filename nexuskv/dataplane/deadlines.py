@@ -166,6 +166,8 @@ class Breaker:
     def check(self, what: str) -> None:
         """Raise TierUnavailableError for ``what`` while open; let it through when closed, or when
         the backoff ended and ``alive()`` says the service answers again."""
+        if self._open_until is None:  # closed: every call of a healthy store, no lock taken
+            return
         with self._lock:
             until = self._open_until
             if until is None:
