@@ -123,6 +123,9 @@ class _Request:
     reason: str = ""
     plan: Plan | None = None  # the decision behind the last answer
     published: bool = False
+    # Why a planned load was not made (the source did not hold it, or could not be asked): the
+    # plan's record is then superseded by a recompute, so no record claims a load that never ran.
+    not_made: str | None = None
 
 
 class SchedulerSide:
@@ -198,7 +201,7 @@ class SchedulerSide:
         if len(st.keys) > len(token_ids) // bs:  # a resumed request asks again: key it again
             st.keys = []
         keys = self._keys(st, len(token_ids) // bs)
-        st.source, st.start, st.end, st.plan = None, 0, 0, None
+        st.source, st.start, st.end, st.plan, st.not_made = None, 0, 0, None, None
         local = num_computed_tokens // bs
         limit = (len(token_ids) - 1) // bs  # the last token is always computed: its logits are the output
         execution = self.execution()
@@ -227,7 +230,7 @@ class SchedulerSide:
             start, end = chosen.moved  # type: ignore[misc]
             end = min(end, limit)
             if start != local or end <= start:
-                st.reason = f"planner moves blocks [{start}, {end}) but the engine holds {local}"
+                st.reason = st.not_made = f"planner moves blocks [{start}, {end}) but the engine holds {local}"
                 return 0, False
             did = self.descriptor.descriptor_id
             held = self._probe(src.tier, [PayloadKey(did, k, self._group) for k in keys[start:end]])
@@ -242,7 +245,8 @@ class SchedulerSide:
                 st.saved_upto = min(st.saved_upto, start + readable)  # the tier lost them: save them again
             view = _truncated(view, src.worker, src.tier, start + readable)
         else:
-            st.reason = f"the source {src.worker}/{src.tier.value} holds fewer blocks than the index says"
+            st.reason = st.not_made = (f"the source {src.worker}/{src.tier.value} holds fewer blocks than the "
+                                       "index says (or cannot be asked)")
             return 0, False
         st.source, st.start, st.end = self._source_location(src.worker, src.tier), start, end
         tokens = (end - start) * bs
@@ -320,6 +324,8 @@ class SchedulerSide:
         if st is not None and st.plan is not None and not st.published:
             st.published = True
             self._publish(st.plan.decision)
+            if st.not_made is not None:
+                self._publish(fallback_decision(st.plan.decision, st.not_made, now=self.clock()))
         if num_external_tokens <= 0:
             return  # nothing to load (or the second call of an async load)
         bs = self.block_size
