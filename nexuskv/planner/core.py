@@ -11,6 +11,7 @@ dispatch delays (:class:`~nexuskv.planner.dispatch.DispatchDelays`), and returns
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ from nexuskv.errors import ContractError, UnauthenticatedError
 from nexuskv.identity import IdentityScope
 from nexuskv.lookup import IndexView, LookupResult
 from nexuskv.models import DescriptorRegistry
+from nexuskv.planner.assigned import RecentAssignments
 from nexuskv.planner.decide import plan
 from nexuskv.planner.dispatch import DispatchDelays
 from nexuskv.planner.plan import Plan
@@ -95,6 +97,7 @@ class PlannerCore:
         self.duplicates = 0
         self._filled: dict[tuple[int, frozenset[str]], tuple[CostModel, CostModel]] = {}
         self.dispatch = DispatchDelays()
+        self.assigned = RecentAssignments()
         #: Wraps every index lookup (the service's span); None: called plainly.
         self.observe_match: Callable[[Callable[[], LookupResult]], LookupResult] | None = None
 
@@ -114,11 +117,19 @@ class PlannerCore:
         lookup = self.match(query)
         policy = self.policy()
         self.dispatch.request_arrived(request.arrival_at, now)
+        # The decisions sent since the caller's snapshot less a trip back are not in its loads.
+        self.assigned.forget(now=now)
+        candidates = self.assigned.loads(query.candidates, since=request.arrival_at - self.dispatch.bus_s)
+        if candidates is not query.candidates:
+            query = dataclasses.replace(query, candidates=candidates)
         p = plan(query, lookup, self._model_for(query), policy, now=now,
                  headroom=self.scheduler.headroom(query.scope.tenant_namespace),
                  pollution_s_per_gib=self.prices() if self.prices is not None else None,
                  dispatch_s=self.dispatch.estimates(c.worker for c in query.candidates))
         self.scheduler.track(p, now=now)
+        d = p.decision
+        self.assigned.decided(d.worker, compute_tokens=query.prompt_tokens - d.reused_tokens,
+                              prompt_tokens=query.prompt_tokens, at=now)
         for t in p.transfers:
             self.dispatch.issued(t.transfer_id, t.destination.worker, t.issued_at)
         return p
