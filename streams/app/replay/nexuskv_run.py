@@ -108,7 +108,7 @@ async def _serve_with_sink(url, store: DecisionStore, workload: Workload, engine
     sink_task = asyncio.create_task(sink.run(stop))
     try:
         result = await serve_stream(workload, engines, served_name, router, name="nexuskv", progress=progress,
-                                    tracing=tracing, baseline_ttft=baseline_ttft)
+                                    tracing=tracing, baseline_ttft=baseline_ttft, engine_reports=True)
         expected = {f"{router.prefix}/{r.request_id}" for r in workload.requests}
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:  # the records of every request are stored before anything stops

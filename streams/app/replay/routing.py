@@ -1,8 +1,10 @@
 """Where each replayed request goes: a plain load balancer (the baseline), or NexusKV's planner.
 
 Both see the same load: :class:`Loads` counts, per engine, the requests sent and not yet
-answered with a first token (their prompt tokens are prefill still ahead of a new request, which
-is what an engine reports as its queue).
+answered with a first token (their prompt tokens are prefill still ahead of a new request). The
+planner's candidates add what each engine reports itself (:mod:`connectors.engine_load`, vLLM's
+scheduler gauges on ``/metrics``): requests it holds beyond the router's (waiting, or decoding
+and so slowing every prefill step) and the KV blocks they hold.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from connectors.engine_load import EngineLoad
 from nexuskv.config import BrokerUrl
 from nexuskv.contracts import codec
 from nexuskv.contracts.decisions import Decision
@@ -34,6 +37,10 @@ class Loads:
     """Requests in flight per engine that have not produced their first token (prompt lengths)."""
 
     waiting: list[dict[str, int]]
+    #: The engine's own report (an :class:`~connectors.engine_load.EngineLoadPoller`'s ``latest``);
+    #: None, or a None report: the router's count alone.
+    reported: Callable[[int], EngineLoad | None] | None = None
+    engine_blocks: int = 0  # each engine's KV cache in blocks (what its KV usage is a share of)
 
     @classmethod
     def of(cls, engines: int) -> Loads:
@@ -48,9 +55,25 @@ class Loads:
     def worker_load(self, engine: int, worker: str, profile: str | None, *, loads_own_tiers: bool,
                     loads_shared_tiers: bool = False, has_executor: bool = True) -> WorkerLoad:
         ahead = list(self.waiting[engine].values())
-        return WorkerLoad(worker=worker, profile=profile, queued_prefill_tokens=sum(ahead),
-                          queued_prefill_requests=len(ahead),
-                          queued_prefill_token_products=sum(t * t for t in ahead), loads_own_tiers=loads_own_tiers,
+        requests, tokens, products = len(ahead), sum(ahead), sum(t * t for t in ahead)
+        active = decode_blocks = 0
+        report = self.reported(engine) if self.reported is not None else None
+        if report is not None:
+            # Waiting in the engine and not the router's: prefills too, priced like the router's own.
+            unknown = report.waiting - requests
+            if unknown > 0 and requests:
+                tokens += unknown * tokens // requests
+                products += unknown * products // requests
+            requests = max(requests, report.waiting)
+            active = report.running + report.waiting
+            # Running beyond the router's prefills: decoding; their share of the engine's blocks in use
+            # is read once per prefill step.
+            decoding = max(0, report.running - len(ahead))
+            if decoding and report.running:
+                decode_blocks = round(report.kv_usage * self.engine_blocks * decoding / report.running)
+        return WorkerLoad(worker=worker, profile=profile, queued_prefill_tokens=tokens,
+                          queued_prefill_requests=requests, queued_prefill_token_products=products,
+                          decode_blocks=decode_blocks, active_requests=active, loads_own_tiers=loads_own_tiers,
                           loads_shared_tiers=loads_shared_tiers, has_executor=has_executor)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from connectors.engine_load import EngineLoadPoller
 from streams.app.replay.client import Completion, complete
 from streams.app.replay.engines import EngineConfig, VllmEngine
 from streams.app.replay.routing import LeastOutstanding, Loads, PlannerRouter, Routed
@@ -119,16 +120,24 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
                        router: LeastOutstanding | PlannerRouter, *, name: str,
                        progress: Callable[[int], None] = lambda n: None, settle_s: float = 2.0,
                        tracing: ReplayTracing | None = None,
-                       baseline_ttft: dict[str, float] | None = None) -> RunResult:
+                       baseline_ttft: dict[str, float] | None = None, engine_reports: bool = False) -> RunResult:
     """Serve the warm-up one request after another, wait ``settle_s`` (the calibration publishes its fit),
     then send the measured requests at their arrival times (relative to the first measured one);
     returns every request as served. Each request is one trace under ``tracing``; ``baseline_ttft``
-    (the baseline run's TTFT by request id) puts each request's observed EG on its span."""
+    (the baseline run's TTFT by request id) puts each request's observed EG on its span.
+    ``engine_reports``: the loads the router sees add each engine's own gauges, scraped from its
+    ``/metrics`` every 0.1 s (:class:`~connectors.engine_load.EngineLoadPoller`)."""
     tracing = tracing or ReplayTracing.start(None)
     loads = Loads.of(len(engines))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warm(session, engines, served_name)
+        poller = None
+        if engine_reports:
+            poller = EngineLoadPoller([e.url for e in engines], session, interval_s=0.1)
+            loads.reported = poller.latest
+            loads.engine_blocks = (engines[0].config.num_blocks or 0) if engines else 0
+            poller.start()
         await router.start()
         served: list[Served] = []
         t0 = time.monotonic()
@@ -169,9 +178,14 @@ async def serve_stream(workload: Workload, engines: Sequence[VllmEngine], served
             await asyncio.gather(*(one(r, t1 + r.arrival_s - first) for r in measured))
         finally:
             await router.stop()
+            if poller is not None:
+                await poller.stop()
         wall = time.monotonic() - t0
     served.sort(key=lambda s: s.request.seq)
-    return RunResult(name, served, started_at, wall, [])
+    result = RunResult(name, served, started_at, wall, [])
+    if poller is not None:
+        result.router_stats = {"load_scrapes": poller.stats["scrapes"], "load_scrapes_failed": poller.stats["failed"]}
+    return result
 
 
 def outcome_attributes(routed: Routed, done: Completion, baseline_ttft_s: float | None) -> dict:

@@ -62,6 +62,10 @@ def test_skewed_replay_with_affinity_and_equal_bytes_arms(tmp_path):
 
     assert blocks["equal-bytes"] == equal_bytes_blocks(config, outcome.workload) > blocks["affinity"] == 96
 
+    # NexusKV's router read the engines' own gauges (vLLM's /metrics) throughout its run.
+    polled = outcome.runs["nexuskv"].router_stats
+    assert polled.get("load_scrapes", 0) > 20 and polled.get("load_scrapes_failed") == 0, polled
+
     # NexusKV read the shared tier, and the loads its connectors planned completed.
     assert fig.tokens_loaded_by_tier.get("remote", 0) > 0, fig
     assert fig.transfers_planned > 0
