@@ -55,7 +55,7 @@ SKEWED = {"hot": 8, "engine_blocks": 96}  # the skewed shape's defaults here (RE
 def config_of(shape: str, out: Path, runs: tuple[str, ...]) -> ReplayConfig:
     if shape == "skewed":
         return ReplayConfig(trace=TRACE, out=out, shape=WorkloadShape(hot=SKEWED["hot"]), runs=runs,
-                            engine_blocks=SKEWED["engine_blocks"], save_tier="remote")
+                            engine_blocks=SKEWED["engine_blocks"], save_tier="remote", engine_reports=True)
     return ReplayConfig(trace=TRACE, out=out, runs=runs)
 
 

@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--save-tier", default=None, choices=["disk", "remote"],
                         help="where NexusKV's connectors save (default: disk; the skewed shape: remote, the shared "
                              "tier every engine reads, a Mooncake Store started for the run unless NEXUSKV_REMOTE_TIER)")
+    replay.add_argument("--engine-reports", default=None, choices=["on", "off"],
+                        help="NexusKV's router adds each engine's own load gauges (vLLM's /metrics, every 0.1 s) "
+                             "to the loads it plans with (default: on for the skewed shape, off otherwise)")
     replay.add_argument("--engine", default="vllm", choices=["vllm", "reference"],
                         help="vllm (default), or NexusKV's reference engine for what vLLM's CPU build cannot "
                              "run: --reference-variant mla|hybrid (one run, no baseline)")
@@ -301,7 +304,8 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
                           model_size=args.model_size, engine_blocks=args.engine_blocks, dtype=args.dtype, runs=runs,
                           trace_to=args.trace_to or (settings.otlp_endpoint if vllm else None),
                           variant=args.reference_variant,
-                          save_tier=args.save_tier or ("remote" if args.shape == "skewed" else "disk"))
+                          save_tier=args.save_tier or ("remote" if args.shape == "skewed" else "disk"),
+                          engine_reports=(args.engine_reports or ("on" if args.shape == "skewed" else "off")) == "on")
     outcome = run_replay(config, settings, progress=not args.no_progress)
     if not vllm:
         print(f"nexuskv: {outcome.runs['nexuskv'].describe()}", flush=True)

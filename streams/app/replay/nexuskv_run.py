@@ -102,13 +102,14 @@ class _Bridge:
 
 async def _serve_with_sink(url, store: DecisionStore, workload: Workload, engines, router: PlannerRouter,
                            progress, served_name: str, tracing: ReplayTracing,
-                           baseline_ttft: dict[str, float]) -> RunResult:
+                           baseline_ttft: dict[str, float], engine_reports: bool = False) -> RunResult:
     stop = asyncio.Event()
     sink = DecisionSink(url, store, group_id=f"{router.prefix}-sink", flush_interval_s=0.25)
     sink_task = asyncio.create_task(sink.run(stop))
     try:
         result = await serve_stream(workload, engines, served_name, router, name="nexuskv", progress=progress,
-                                    tracing=tracing, baseline_ttft=baseline_ttft, engine_reports=True)
+                                    tracing=tracing, baseline_ttft=baseline_ttft,
+                                    engine_reports=engine_reports)
         expected = {f"{router.prefix}/{r.request_id}" for r in workload.requests}
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:  # the records of every request are stored before anything stops
@@ -197,7 +198,8 @@ def run_nexuskv(config, workload: Workload, model_dir: Path, settings: Settings,
                 router = PlannerRouter(url, descriptor, tuple(workers), CPU_PROFILE, prefix=replay_id,
                                        tracer=tracing.tracer, loads_shared_tiers=bool(remote))
                 result = asyncio.run(_serve_with_sink(url, store, workload, engines, router, progress,
-                                                      SERVED_NAME, tracing, baseline_ttft or {}))
+                                                      SERVED_NAME, tracing, baseline_ttft or {},
+                                                      config.engine_reports))
                 result.engine_ready_s = ready
             finally:
                 for e in engines:

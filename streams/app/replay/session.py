@@ -84,6 +84,10 @@ class ReplayConfig:
     block_size: int = 32
     tenant: str = "default"
     save_tier: str = "disk"
+    # NexusKV's router adds each engine's own gauges (vLLM's /metrics) to the loads it plans with. Off
+    # by default: on the default shape it cost NexusKV (single runs, benchmarks/README.md "The skewed
+    # replay"); the skewed shape's command turns it on.
+    engine_reports: bool = False
     runs: tuple[str, ...] = ()  # empty: every run of the engine (vllm: baseline, nexuskv; reference: nexuskv)
     start_timeout_s: float = 600.0
     remote_tier_bytes: int = 2 << 30  # save_tier remote without NEXUSKV_REMOTE_TIER: the run's own store
@@ -288,7 +292,8 @@ def run_replay(config: ReplayConfig, settings: Settings, *, progress: bool = Tru
                                                 engines=config.workers, model=str(model_dir), router=router,
                                                 config={**asdict(config.shape), "engine_blocks": blocks,
                                                         "block_size": config.block_size,
-                                                        "save_tier": config.save_tier})])
+                                                        "save_tier": config.save_tier,
+                                                        "engine_reports": config.engine_reports})])
     finally:
         store.close()
     return ReplayOutcome(replay_id, config.db, workload, model_dir, results, time.monotonic() - started)

@@ -39,6 +39,7 @@ def test_skewed_replay_with_affinity_and_equal_bytes_arms(tmp_path):
                           burst_gap_s=0.2, max_output_tokens=2)
     config = ReplayConfig(trace=CONVERSATION_SLICE, out=tmp_path / "replay", shape=shape, workers=2,
                           engine_blocks=96, save_tier="remote", runs=("affinity", "equal-bytes", "nexuskv"),
+                          engine_reports=True,
                           model_cache=tmp_path / "models", remote_tier_bytes=512 << 20)
     settings = Settings(broker=None, data_dir=str(tmp_path / "data"))
     outcome = run_replay(config, settings, progress=False, say=lambda _line: None)
