@@ -251,7 +251,9 @@ class RemoteBackend(StagedBackend):
                 got = code[0]
                 if got == HEADER_BYTES:
                     out.append(self._checked_header(key, raw[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]))
-                elif got in (_OBJECT_NOT_FOUND, _LEASE_EXPIRED, _INVALID_PARAMS):
+                elif got in (_OBJECT_NOT_FOUND, _LEASE_EXPIRED, _INVALID_PARAMS) or got in _BUSY:
+                    # A miss; busy: another writer's put of that object is in progress (two engines'
+                    # start-up probes of one key). Neither says the store is down: no breaker.
                     out.append(None)
                 else:
                     raise self._transport_failed(f"remote tier {self.address}: reading the header of {key} "

