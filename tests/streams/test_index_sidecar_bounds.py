@@ -313,16 +313,19 @@ def test_a_client_that_does_not_read_its_answers_stops_being_read(sock_path):
         s.setblocking(False)
         ask = _ask(1, 64)  # ~1 KiB asks, each answered with a small frame the client never reads
         sent = 0
+        pending = b""  # what a partial send left: sent next, so the stream stays whole frames
         t_end = time.monotonic() + 3.0
         while time.monotonic() < t_end:
+            pending = pending or ask * 64
             try:
-                sent += s.send(ask * 64)
+                n = s.send(pending)
             except BlockingIOError:  # the sidecar stopped reading: the kernel's buffers are full
                 time.sleep(0.2)
                 try:
-                    sent += s.send(ask * 64)
+                    n = s.send(pending)
                 except BlockingIOError:
                     break
+            sent, pending = sent + n, pending[n:]
         assert time.monotonic() < t_end, "the sidecar kept reading a client that never reads"
 
         def buffered():
