@@ -16,7 +16,7 @@ the before/after ratios, and writes ``benchmarks/results/faust_time_to_first_eve
 (value: tuned median on Apache Kafka; baseline: Faust defaults on Apache Kafka).
 
     python -m benchmarks.bench_faust_startup            # 3 runs per mode and broker (~2.5 min)
-    python -m benchmarks.bench_faust_startup --runs 5 --brokers tansu,kafka3s --modes tuned,tuned-stock-tables
+    python -m benchmarks.bench_faust_startup --runs 5 --brokers tansu,kafka3s
 """
 
 from __future__ import annotations
@@ -75,8 +75,6 @@ BROKER_LABEL = {"tansu": "Tansu 0.6 (memory)", "kafka": "Apache Kafka 4.2 (KRaft
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "default": ("default", {}),
     "tuned": ("tuned", {}),
-    # Ablation: our settings but Faust's own TableManager, with its 1 s nap before subscribing.
-    "tuned-stock-tables": ("tuned", {"TableManager": "faust.tables:TableManager"}),
 }
 DEFAULT_MODES = "default,tuned"
 PHASES = ("python", "imported", "assigned", "event")

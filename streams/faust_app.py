@@ -17,29 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import faust
-from faust.tables import TableManager
 
 from nexuskv.config import BrokerUrl
 from streams.bus import tuning
 
-__all__ = ["make_faust_app", "faust_broker", "PromptTableManager"]
-
-
-class PromptTableManager(TableManager):
-    """Faust's TableManager without its fixed 1 s nap before the consumer may subscribe.
-
-    ``TableManager.on_start`` (faust-streaming 0.15.3) sleeps 1.0 s and only then finalizes the
-    table set and starts recovery; the Conductor waits for that before subscribing, so every worker
-    start pays 1 s (a fifth of the 5 s budget). The nap leaves room for tables created while the
-    app starts; NexusKV declares every table when it builds the app, before the worker starts, so
-    there is nothing to wait for. Selected by ``tuning.FAUST["TableManager"]``;
-    ``tests/streams/test_faust_app.py`` checks that Faust's method still has the shape replaced here.
-    """
-
-    async def on_start(self) -> None:
-        if not self.should_stop:
-            await self._update_channels()
-            await self.recovery.start()
+__all__ = ["make_faust_app", "faust_broker"]
 
 
 def faust_broker(url: BrokerUrl) -> list[str]:

@@ -88,10 +88,10 @@ FAUST: dict[str, Any] = {
     # No HTTP server unless make_faust_app is given a port: tests and several workers on one
     # machine would fight over port 6066, and it is one more service to start.
     "web_enabled": False,
-    # Faust's TableManager sleeps 1 s at start before the consumer may subscribe; this one does
-    # not (tables are declared before the worker starts). Measured: 1 s of every start (Tansu
-    # 5.1 s -> 4.1 s, Kafka 2.1 s -> 0.8 s). A path, so that importing this module needs no Faust.
-    "TableManager": "streams.faust_app:PromptTableManager",
+    # Not patched: Faust's TableManager sleeps a fixed 1 s at start before the consumer may
+    # subscribe (faust-streaming 0.15.3, TableManager.on_start). Skipping it meant overriding a
+    # private method (an earlier PromptTableManager did: Tansu 5.1 s -> 4.1 s, Kafka 2.1 s ->
+    # 0.8 s); NexusKV uses Faust's public settings only, and pays that second per worker start.
     # Left at Faust's defaults, checked and found not to cost start-up time:
     # broker_max_poll_interval (1000 s; Faust polls from its consumer thread whatever the agents
     # do), broker_request_timeout (90 s, must stay >= the session), broker_commit_interval (2.8 s),

@@ -7,7 +7,6 @@ generous on purpose (a 2-core machine shared with a JVM broker).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +22,7 @@ from streams.bus import tuning
 from streams.bus.broker import TansuBroker
 from streams.bus.clients import make_producer
 from streams.bus.topics import ensure_topics
-from streams.faust_app import PromptTableManager, faust_broker, make_faust_app
+from streams.faust_app import faust_broker, make_faust_app
 
 FIRST_EVENT_WITHIN_S = 15.0
 URL = parse_broker_url("kafka://127.0.0.1:9")  # never contacted by the settings tests
@@ -44,7 +43,7 @@ def test_app_takes_the_tuned_settings(tmp_path):
     assert conf.processing_guarantee.value == "at_least_once"
     assert conf.store.scheme == "memory" and conf.value_serializer == "raw"
     assert conf.web_enabled is False and conf.autodiscover is False
-    assert conf.TableManager is PromptTableManager
+    assert conf.TableManager is TableManager  # Faust's own: none of its internals is patched
     assert Path(conf.datadir) == tmp_path
 
 
@@ -81,14 +80,6 @@ def test_faust_and_aiokafka_settings_agree():
     assert tuning.SESSION_TIMEOUT_S <= faust.App("x").conf.broker_request_timeout
     # Tansu rejects the idempotent producer that exactly-once needs.
     assert f["processing_guarantee"] == "at_least_once" and p["enable_idempotence"] is False
-
-
-def test_faust_table_manager_still_naps_where_we_skip_it():
-    """PromptTableManager replaces TableManager.on_start; fail loudly if Faust changes it."""
-    source = inspect.getsource(TableManager.on_start)
-    assert "await self.sleep(1.0)" in source
-    assert "await self._update_channels()" in source and "await self.recovery.start()" in source
-    assert callable(getattr(TableManager, "_update_channels", None))
 
 
 # -- real workers ------------------------------------------------------------------------------------
@@ -150,7 +141,7 @@ async def test_worker_consumes_an_event_on_tansu(tansu_url, tmp_path):
 
 @pytest.mark.broker
 async def test_table_is_recovered_after_a_restart(kafka_url, tmp_path):
-    """PromptTableManager skips Faust's start-up nap; tables must still register and recover."""
+    """A table declared when the app is built registers and recovers from its changelog."""
     name = f"faust-app-table-{uuid.uuid4().hex[:8]}"
     await ensure_topics(kafka_url, partitions=2, topics=(_topic(name),))
 
