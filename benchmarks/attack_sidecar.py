@@ -8,8 +8,9 @@ each started fresh for every run, the same index, the same attacks:
 
 * ``fixed`` — :class:`streams.index_sidecar.IndexSidecar` with the default
   :class:`~streams.index_sidecar.AskLimits` (asks on their own thread, the frame deadline, the
-  connection cap, 16,384 keys per ask) and the service's switch interval
-  (:func:`~streams.index_sidecar.prefer_asks`);
+  connection cap, 16,384 keys per ask), the service's switch interval
+  (:func:`~streams.index_sidecar.prefer_asks`) and its ask thread's nice value
+  (``Settings.index_ask_nice``);
 * ``prefix`` — the server as it shipped before (:mod:`benchmarks._sidecar_prefix`, main at
   9c0cc94): asks inline on the ingest loop, no deadline, no cap, 4 MiB frames, 65,536-key asks.
 
@@ -75,6 +76,7 @@ FLOOD_RECONNECT_S = 0.5  # each of the 1,000 flood connections, once closed or r
 
 def serve(path: str, mode: str, live: bool = True) -> None:
     """The sidecar in ``mode`` over the live benchmark index; prints ``ready`` once it listens."""
+    from nexuskv.config import Settings
     from streams.index_sidecar import AskLimits, IndexSidecar, prefer_asks
 
     from benchmarks._sidecar_prefix import PrefixSidecar
@@ -87,8 +89,10 @@ def serve(path: str, mode: str, live: bool = True) -> None:
         if mode == "prefix":
             sidecar: object = PrefixSidecar(replica, Path(path))
         else:
-            sidecar = IndexSidecar(replica, Path(path), AskLimits())
-            if mode == "fixed":
+            # fixed-nice0: the service's server at the process's own priority (no CAP_SYS_NICE).
+            nice = None if mode == "fixed-nice0" else Settings.model_fields["index_ask_nice"].default
+            sidecar = IndexSidecar(replica, Path(path), AskLimits(), ask_nice=nice)
+            if mode != "fixed-5ms":
                 prefer_asks()
         await sidecar.start()  # type: ignore[attr-defined]
         began, applied = time.perf_counter(), sum(fleet.seq.values())

@@ -12,9 +12,11 @@ round trip is timed (budget 1 s, so the true time is measured; the production bu
 The same is done with one engine (the ask live during ingest, issue 22's 1 ms goal).
 
 Servers, fresh for every run, alternated: ``fixed`` (:class:`streams.index_sidecar.IndexSidecar`
-with the service's switch interval), ``fixed-5ms`` (the same server at CPython's default 5 ms
-switch interval: what :func:`streams.index_sidecar.prefer_asks` buys), ``prefix`` (the pre-fix
-server, asks inline on the ingest loop: the baseline).
+with the service's switch interval and its ask thread at ``NEXUSKV_INDEX_ASK_NICE``),
+``fixed-nice0`` (the same at the process's own priority: what the nice value buys),
+``fixed-5ms`` (the same at CPython's default 5 ms switch interval: what
+:func:`streams.index_sidecar.prefer_asks` buys), ``prefix`` (the pre-fix server, asks inline on
+the ingest loop: the baseline).
 
 Figures: ``sidecar_ask_8_engines_p99`` (p99 over all 8 engines' asks, fixed / prefix, goal <= 2 ms)
 and ``sidecar_ask_live_p99`` (one engine, fixed / prefix, goal <= 1 ms); medians of per-run ratios.
@@ -40,7 +42,7 @@ from pathlib import Path
 from benchmarks._result import Run, write_result
 from benchmarks.attack_sidecar import ROOT, start_server
 
-MODES = ("fixed", "fixed-5ms", "prefix")
+MODES = ("fixed", "fixed-nice0", "fixed-5ms", "prefix")
 
 
 def engine(path: str, seconds: float, rate: float, seed: int, start_at: float) -> None:

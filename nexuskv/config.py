@@ -276,6 +276,12 @@ class Settings(BaseModel):
         "sidecar's memory with NEXUSKV_INDEX_MAX_ASK_KEYS (each connection buffers at most one ask).", 128, ge=1,
         le=65_536,
     )
+    index_ask_nice: int = _env(
+        "NEXUSKV_INDEX_ASK_NICE",
+        "Nice value of the index sidecar's ask thread (Linux, -20..19): below the engines', so an ask that "
+        "arrives gets a core at once. A negative one needs CAP_SYS_NICE; refused, the thread keeps the "
+        "process's priority (logged).", -10, ge=-20, le=19,
+    )
     index_frame_deadline_ms: float = _env(
         "NEXUSKV_INDEX_FRAME_DEADLINE_MS",
         "Milliseconds an engine connection has to finish sending a frame it began; past it the sidecar closes the "

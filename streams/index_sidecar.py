@@ -108,8 +108,10 @@ __all__ = ["ASK_SWITCH_INTERVAL_S", "AskLimits", "IndexSidecar", "main", "prefer
 log = logging.getLogger("nexuskv.index_sidecar")
 _SCOPES = 1024
 #: The interpreter's switch interval in the sidecar process (CPython's default is 5 ms): how long
-#: the ingest loop may keep the GIL from an ask thread that wants it.
-ASK_SWITCH_INTERVAL_S = 0.0002
+#: the ingest loop may keep the GIL from an ask thread that wants it. An ask takes the GIL about
+#: three times (woken by the socket, back from the native lookup, after the write), each a wait of
+#: up to this long while ingest runs Python (``benchmarks/README.md``, ``sidecar_ask_*``).
+ASK_SWITCH_INTERVAL_S = 0.00005
 #: Seconds between two log lines of refusals of one reason (all are counted on the metric).
 REFUSAL_LOG_S = 10.0
 #: Seconds the sidecar stops accepting after refusing a connection at its cap: connects wait in the
@@ -281,11 +283,16 @@ class IndexSidecar:
     calls :meth:`start`); :meth:`start`, then :meth:`close`. Asks are served on a thread of
     their own (module docstring)."""
 
-    def __init__(self, replica: Any, path: Path, limits: AskLimits | None = None) -> None:
+    def __init__(self, replica: Any, path: Path, limits: AskLimits | None = None, *,
+                 ask_nice: int | None = None) -> None:
         check_socket_path(path)
         self.replica = replica
         self.path = path
         self.limits = limits or AskLimits()
+        #: The nice value asked for the ask thread (None: the process's own); :attr:`ask_priority`
+        #: is what it got (the OS refuses a negative one without CAP_SYS_NICE: logged, not fatal).
+        self.ask_nice = ask_nice
+        self.ask_priority: int | None = None
         self.lookups = 0
         self.errors = 0  # lookups answered with an error (a scope that does not validate, a failed lookup)
         self.malformed = 0  # connections closed for a malformed frame
@@ -347,6 +354,7 @@ class IndexSidecar:
 
     def _run(self, listening: concurrent.futures.Future[None]) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        self.ask_priority = _set_thread_nice(self.ask_nice)
         try:
             asyncio.set_event_loop(loop)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -573,6 +581,20 @@ class IndexSidecar:
         future.add_done_callback(lambda f: _call_soon(loop, done, f))
 
 
+def _set_thread_nice(nice: int | None) -> int:
+    """Give the calling thread ``nice`` (Linux: a thread's nice value is its own); returns the
+    nice value it runs at. A waking ask thread with a lower nice value than the ingest thread,
+    the engines and the broker gets a core at once instead of after their time slices."""
+    tid = threading.get_native_id()
+    if nice is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as exc:
+            log.warning("index sidecar: the ask thread keeps the process's priority (nice %d refused: %s; a "
+                        "negative NEXUSKV_INDEX_ASK_NICE needs CAP_SYS_NICE)", nice, exc.strerror or exc)
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     with contextlib.suppress(RuntimeError):  # the ask loop is closed: the sidecar stopped
         loop.call_soon_threadsafe(fn, *args)
@@ -597,7 +619,7 @@ async def _serve(settings: Settings, stop: Any) -> None:
                            bus_secret=settings.bus_secret_bytes, client_id=f"nexuskv-index-sidecar-{settings.worker}")
     HEALTH.set_ready("replica", False, "starting: lag unknown (no fetch yet)")
     await replica.start(timeout_s=settings.broker_start_timeout_s)
-    sidecar = IndexSidecar(replica, path, AskLimits.from_settings(settings))
+    sidecar = IndexSidecar(replica, path, AskLimits.from_settings(settings), ask_nice=settings.index_ask_nice)
     prefer_asks()
     supervisor = Supervisor("index-sidecar")
     assert replica.task is not None

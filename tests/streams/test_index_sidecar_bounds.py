@@ -74,12 +74,12 @@ class SlowReplica:
 class Server:
     """An IndexSidecar whose home loop (the replica's, where ingest runs) is a thread of the test."""
 
-    def __init__(self, replica, path: Path, limits: AskLimits) -> None:
+    def __init__(self, replica, path: Path, limits: AskLimits, ask_nice: int | None = None) -> None:
         self.replica, self.path = replica, path
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.sidecar = IndexSidecar(replica, path, limits)
+        self.sidecar = IndexSidecar(replica, path, limits, ask_nice=ask_nice)
         asyncio.run_coroutine_threadsafe(self.sidecar.start(), self.loop).result(5)
 
     def on_ask_loop(self, fn):
@@ -109,8 +109,8 @@ def sock_path():
         yield Path(d) / "index.sock"
 
 
-def _serve(sock_path, replica=None, **limits) -> Server:
-    return Server(replica or SlowReplica(), sock_path, AskLimits(**limits))
+def _serve(sock_path, replica=None, ask_nice=None, **limits) -> Server:
+    return Server(replica or SlowReplica(), sock_path, AskLimits(**limits), ask_nice)
 
 
 def _refused(reason: str) -> float:
@@ -401,3 +401,38 @@ def test_a_cancelled_server_task_still_closes_the_sidecar_cleanly(sock_path):
         assert not sidecar._ended.cancelled() and sidecar._ended.exception() is None
 
     asyncio.run(main())
+
+
+def test_the_ask_thread_runs_at_its_nice_value_and_only_it(sock_path):
+    import os
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    wanted = min(19, own + 3)  # raising a nice value needs no privilege
+    server = _serve(sock_path, ask_nice=wanted)
+    try:
+        ask_thread = server.sidecar._thread
+        assert server.sidecar.ask_priority == wanted
+        assert os.getpriority(os.PRIO_PROCESS, ask_thread.native_id) == wanted
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's is untouched
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
+        assert client.lookup(SCOPE, bytes(16 * 8)).matches
+    finally:
+        server.stop()
+
+
+def test_a_refused_nice_value_is_logged_and_the_sidecar_serves_anyway(sock_path, monkeypatch, caplog):
+    import os
+
+    def refuse(*_args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    server = _serve(sock_path, ask_nice=-10)
+    try:
+        assert server.sidecar.ask_priority == os.getpriority(os.PRIO_PROCESS, server.sidecar._thread.native_id)
+        assert server.sidecar.ask_priority != -10 or os.getpriority(os.PRIO_PROCESS, 0) == -10
+        assert "keeps the process's priority (nice -10 refused" in caplog.text
+        client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
+        assert client.lookup(SCOPE, bytes(16 * 8)).matches
+    finally:
+        server.stop()
