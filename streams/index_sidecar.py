@@ -19,7 +19,9 @@ its own on the thread ``index-asks``, which reads frames, answers each small ask
 its read lock with the GIL released) and writes the answer. An ingest slice therefore never
 holds an ask; what an ask shares with ingest is the GIL between the native calls, and the service
 lowers the interpreter's switch interval (:data:`ASK_SWITCH_INTERVAL_S`) so a waiting ask thread
-gets it within a fraction of a millisecond rather than the default 5 ms. An ask of more than
+gets it within a fraction of a millisecond rather than the default 5 ms; the ask thread runs at
+``NEXUSKV_INDEX_ASK_NICE`` (-10), so a waking ask is given a core before ingest and the engines.
+An ask of more than
 :attr:`AskLimits.bulk_keys` keys is answered on a second thread, ``index-bulk-asks`` (at most
 :attr:`AskLimits.bulk_queue` of them queued; more are refused ``busy``), so a large ask cannot
 hold the small ones behind it. ``OP_SYNC`` waits on the replica's loop, holding nothing here.
