@@ -100,7 +100,7 @@ from nexuskv.errors import ConfigError, NexusKVError
 from nexuskv.identity import IdentityScope
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
-from streams.bus.process import freeze_startup_heap
+from streams.bus.process import freeze_startup_heap, set_thread_nice
 from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
@@ -356,7 +356,8 @@ class IndexSidecar:
 
     def _run(self, listening: concurrent.futures.Future[None]) -> None:
         loop = self._loop = asyncio.new_event_loop()
-        self.ask_priority = _set_thread_nice(self.ask_nice)
+        self.ask_priority = set_thread_nice(self.ask_nice, what="the index sidecar's ask thread",
+                                            why_refused="; a negative NEXUSKV_INDEX_ASK_NICE needs CAP_SYS_NICE")
         try:
             asyncio.set_event_loop(loop)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -581,20 +582,6 @@ class IndexSidecar:
             conn.release(Answer(VERSION, ask.id, "not caught up: stopping"))
             return
         future.add_done_callback(lambda f: _call_soon(loop, done, f))
-
-
-def _set_thread_nice(nice: int | None) -> int:
-    """Give the calling thread ``nice`` (Linux: a thread's nice value is its own); returns the
-    nice value it runs at. A waking ask thread with a lower nice value than the ingest thread,
-    the engines and the broker gets a core at once instead of after their time slices."""
-    tid = threading.get_native_id()
-    if nice is not None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError as exc:
-            log.warning("index sidecar: the ask thread keeps the process's priority (nice %d refused: %s; a "
-                        "negative NEXUSKV_INDEX_ASK_NICE needs CAP_SYS_NICE)", nice, exc.strerror or exc)
-    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:

@@ -431,7 +431,7 @@ def test_a_refused_nice_value_is_logged_and_the_sidecar_serves_anyway(sock_path,
     try:
         assert server.sidecar.ask_priority == os.getpriority(os.PRIO_PROCESS, server.sidecar._thread.native_id)
         assert server.sidecar.ask_priority != -10 or os.getpriority(os.PRIO_PROCESS, 0) == -10
-        assert "keeps the process's priority (nice -10 refused" in caplog.text
+        assert "the index sidecar's ask thread keeps its priority (nice -10 refused" in caplog.text
         client = IndexClient(sock_path, budget_s=0.5, backoff_s=0.0)
         assert client.lookup(SCOPE, bytes(16 * 8)).matches
     finally:
