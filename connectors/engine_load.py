@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -86,7 +86,7 @@ class EngineLoadPoller:
     interval_s: float = 0.05
     max_age_s: float = 0.5
     timeout_s: float = 0.5
-    clock: object = time.time
+    clock: Callable[[], float] = time.time
     stats: dict[str, int] = field(default_factory=lambda: {"scrapes": 0, "failed": 0})
     _latest: list[EngineLoad | None] = field(default_factory=list)
     _task: asyncio.Task | None = None
@@ -108,7 +108,7 @@ class EngineLoadPoller:
 
     def latest(self, engine: int) -> EngineLoad | None:
         report = self._latest[engine]
-        if report is None or self.clock() - report.at > self.max_age_s:  # type: ignore[operator]
+        if report is None or self.clock() - report.at > self.max_age_s:
             return None
         return report
 
@@ -121,7 +121,7 @@ class EngineLoadPoller:
                 if resp.status != 200:
                     raise ContractError(f"/metrics answered HTTP {resp.status}")
                 text = await resp.text()
-            report = parse_vllm_metrics(text, at=self.clock())  # type: ignore[operator]
+            report = parse_vllm_metrics(text, at=self.clock())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ContractError) as exc:
             self.stats["failed"] += 1
             if self.stats["failed"] in (1, 10) or self.stats["failed"] % 100 == 0:
