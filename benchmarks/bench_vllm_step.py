@@ -17,10 +17,7 @@ Each run sends both engines the same ``--requests`` fresh prompts of ``--prompt-
 saved) with ``--max-tokens`` greedy tokens, and times every ``LLMEngine.step()`` until all are done.
 The figure is the run's total step time divided by its steps (ms per step), ours against the
 baseline in the same run; a third arm, the same connector saving nothing (``save_tier`` none),
-isolates the saves from the ask (``details.against_connector_saving_nothing``); a fourth, the
-connector saving every block with its writer thread at the engine's own priority
-(``save_writer_nice`` 0, against ours' default 10), isolates what the writer's nice value buys
-(``details.against_writer_at_engine_priority``); the arms take
+isolates the saves from the ask (``details.against_connector_saving_nothing``); the arms take
 turns going first and start in ``--start-order``. The worker side also times what the saves
 cost the step thread itself (``wait_for_save``: the batched gathers and the enqueue;
 ``details.save_on_step_thread_ms_per_step``), the part of the figure that does not depend on how
@@ -142,11 +139,6 @@ def _no_saves(connector: dict) -> dict:
     return {**connector, "kv_connector_extra_config": extra}
 
 
-def _writer_nice0(connector: dict) -> dict:
-    extra = {**connector["kv_connector_extra_config"], "save_writer_nice": 0, "worker": "vllm/bench-step-nice0/dp0"}
-    return {**connector, "kv_connector_extra_config": extra}
-
-
 def _prompts(rng: random.Random, count: int, tokens: int) -> list[list[int]]:
     from streams.app.tiny_model import word_id
 
@@ -165,7 +157,7 @@ def main() -> int:
     ap.add_argument("--core", default="0", help="VLLM_CPU_OMP_THREADS_BIND of both engines (default: one core, "
                     "the same for both: on a loaded 2-core machine two OpenMP threads wait on each other at every "
                     "barrier whenever another process takes one of the cores)")
-    ap.add_argument("--start-order", default="plain,quiet,nice0,ours", help="the order the engines start in")
+    ap.add_argument("--start-order", default="plain,quiet,ours", help="the order the engines start in")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (the engines' logs)")
     args = ap.parse_args()
@@ -197,7 +189,7 @@ def main() -> int:
                  "kv_connector_extra_config": {"worker": "vllm/bench-step/dp0", "tenant": "bench-step",
                                                "save_tier": "disk"}}
     engines: list[EngineProcess] = []
-    runs, quiet_runs, nice0_runs, per_run = [], [], [], []
+    runs, quiet_runs, per_run = [], [], []
     load = os.getloadavg()
     (work / "kafka").mkdir(parents=True)
     with ApacheKafkaBroker(work_dir=work / "kafka") as broker:
@@ -211,45 +203,36 @@ def main() -> int:
             starts = {"ours": lambda: EngineProcess({**base_spec, "kv_transfer_config": connector}, env, work / "ours.log"),
                       "plain": lambda: EngineProcess(base_spec, env, work / "plain.log"),
                       "quiet": lambda: EngineProcess({**base_spec, "kv_transfer_config": _no_saves(connector)}, env,
-                                                     work / "nosave.log"),
-                      "nice0": lambda: EngineProcess({**base_spec, "kv_transfer_config": _writer_nice0(connector)},
-                                                     env, work / "nice0.log")}
+                                                     work / "nosave.log")}
             made = {}
             for name in args.start_order.split(","):
                 made[name] = starts[name]()
                 engines.append(made[name])
-            ours, plain, quiet, nice0 = made["ours"], made["plain"], made["quiet"], made["nice0"]
+            ours, plain, quiet = made["ours"], made["plain"], made["quiet"]
             rng = random.Random(7)
             warm = _prompts(rng, args.requests, args.prompt_tokens)
             before = ours.run("warm", warm, args.max_tokens)["connector"] or {}  # compile, caches, pages
             plain.run("warm", warm, args.max_tokens)
             quiet.run("warm", warm, args.max_tokens)
-            before_nice0 = nice0.run("warm", warm, args.max_tokens)["connector"] or {}
             print(f"{args.runs} runs of {args.requests} x {args.prompt_tokens}-token prompts, {args.max_tokens} tokens "
                   f"each; tiny Llama {tiny.num_layers} layers, hidden {tiny.hidden_size}; load {load[0]:.1f}")
             print(f"{'run':>4}{'ours ms/step':>14}{'plain ms/step':>15}{'ratio':>8}{'no-saves ms/step':>18}"
                   f"{'vs no-saves':>13}{'steps':>7}{'saved':>7}{'dropped':>9}")
             for i in range(args.runs):
                 prompts = _prompts(rng, args.requests, args.prompt_tokens)
-                order = [(ours, "ours"), (plain, "plain"), (quiet, "quiet"), (nice0, "nice0")]
-                order = order[i % 4:] + order[:i % 4]  # each arm goes first in turn
+                order = [(ours, "ours"), (plain, "plain"), (quiet, "quiet")]
+                order = order[i % 3:] + order[:i % 3]  # each arm goes first in turn
                 got = {name: engine.run(f"r{i}", prompts, args.max_tokens) for engine, name in order}
                 o = 1e3 * sum(got["ours"]["steps"]) / len(got["ours"]["steps"])
                 p = 1e3 * sum(got["plain"]["steps"]) / len(got["plain"]["steps"])
                 q = 1e3 * sum(got["quiet"]["steps"]) / len(got["quiet"]["steps"])
-                z = 1e3 * sum(got["nice0"]["steps"]) / len(got["nice0"]["steps"])
                 runs.append(Run(o, p))
                 quiet_runs.append(Run(o, q))
-                nice0_runs.append(Run(o, z))
                 total = got["ours"]["connector"] or {}
                 stats = {k: v - before.get(k, 0) for k, v in total.items()}  # this run's share of the counters
                 before = total
-                total_nice0 = got["nice0"]["connector"] or {}
-                stats_nice0 = {k: v - before_nice0.get(k, 0) for k, v in total_nice0.items()}
-                before_nice0 = total_nice0
                 per_run.append({"ours_steps_s": got["ours"]["steps"], "plain_steps_s": got["plain"]["steps"],
-                                "no_saves_steps_s": got["quiet"]["steps"], "writer_nice0_steps_s": got["nice0"]["steps"],
-                                "connector": stats, "writer_nice0_connector": stats_nice0})
+                                "no_saves_steps_s": got["quiet"]["steps"], "connector": stats})
                 on_thread = 1e3 * stats.get("save_step_s", 0.0) / len(got["ours"]["steps"])
                 per_run[-1]["save_on_step_thread_ms_per_step"] = on_thread
                 print(f"{i:>4}{o:>14.2f}{p:>15.2f}{o / p:>8.3f}{q:>18.2f}{o / q:>13.3f}{len(got['ours']['steps']):>7}"
@@ -258,8 +241,6 @@ def main() -> int:
                 print("      steps ms, ours:  " + " ".join(f"{1e3 * x:.1f}" for x in got["ours"]["steps"]))
                 print("      steps ms, plain: " + " ".join(f"{1e3 * x:.1f}" for x in got["plain"]["steps"]))
                 print("      steps ms, no-saves: " + " ".join(f"{1e3 * x:.1f}" for x in got["quiet"]["steps"]))
-                print(f"      writer at nice 0: {z:.2f} ms/step, ours / it {o / z:.3f}; steps ms: "
-                      + " ".join(f"{1e3 * x:.1f}" for x in got["nice0"]["steps"]))
         finally:
             for engine in engines:
                 engine.close()
@@ -270,10 +251,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     ratios = sorted(r.ratio for r in runs)
     quiet_ratios = sorted(r.ratio for r in quiet_runs)
-    nice0_ratios = sorted(r.ratio for r in nice0_runs)
     print(f"median ratio {ratios[len(ratios) // 2]:.3f} against no connector, "
-          f"{quiet_ratios[len(quiet_ratios) // 2]:.3f} against the connector saving nothing, "
-          f"{nice0_ratios[len(nice0_ratios) // 2]:.3f} against the writer at the engine's priority")
+          f"{quiet_ratios[len(quiet_ratios) // 2]:.3f} against the connector saving nothing")
     if args.no_write:
         return 0
     full_blocks = args.requests * (args.prompt_tokens // 32)
@@ -302,11 +281,6 @@ def main() -> int:
                      "what": "the same connector with save_tier none (asks the sidecar, saves nothing), same prompts",
                      "runs": [{"value": r.value, "baseline": r.baseline, "ratio": r.ratio} for r in quiet_runs],
                      "median_ratio": quiet_ratios[len(quiet_ratios) // 2]},
-                 "against_writer_at_engine_priority": {
-                     "what": "the same connector saving every block, its writer thread at nice 0 (save_writer_nice 0) "
-                             "against ours' default 10, same prompts",
-                     "runs": [{"value": r.value, "baseline": r.baseline, "ratio": r.ratio} for r in nice0_runs],
-                     "median_ratio": nice0_ratios[len(nice0_ratios) // 2]},
                  "runs": per_run,
                  "note": "shared 2-core machine, other engineers' jobs running; both arms pin OpenMP threads to "
                          "the same cores, one engine steps at a time"})
