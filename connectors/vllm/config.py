@@ -25,10 +25,7 @@ Keys of ``kv_connector_extra_config``:
 * ``decide_wait_ms`` — how long a request may wait for a lagging index before the planner
   decides with what it has (50);
 * ``save_queue_mib`` — host memory for blocks copied out of the paged KV and not yet written by
-  the worker's writer thread (256); a save that does not fit is dropped and counted, never waited for;
-* ``save_writer_nice`` — the writer thread's nice value, 0-19 (10): above the step thread's, so on
-  a core the two share (vLLM binds its threads to the engine's cores) writing a save gives way to
-  the engine's step; a full queue still drops saves rather than slowing the step.
+  the worker's writer thread (256); a save that does not fit is dropped and counted, never waited for.
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ __all__ = ["CPU_PROFILE", "KvCacheShape", "ConnectorConfig"]
 
 CPU_PROFILE = "vllm-cpu"
 _KEYS = frozenset({"worker", "tenant", "model", "descriptor", "save_tier", "load_async", "profile", "decide_wait_ms",
-                   "save_queue_mib", "save_writer_nice"})
+                   "save_queue_mib"})
 _SAVE_TIERS = {"disk": Tier.DISK, "remote": Tier.REMOTE, "none": None}
 
 
@@ -75,7 +72,6 @@ class ConnectorConfig:
     decide_wait_s: float = 0.05
     prefill_chunk_tokens: int = 2048
     save_queue_bytes: int = 256 << 20
-    save_writer_nice: int = 10
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, *, model: str, block_size: int,
@@ -124,14 +120,10 @@ class ConnectorConfig:
         queue_mib = extra.get("save_queue_mib", 256)
         if isinstance(queue_mib, bool) or not isinstance(queue_mib, (int, float)) or queue_mib <= 0:
             raise ConfigError("kv_connector_extra_config.save_queue_mib", "a number of MiB > 0")
-        writer_nice = extra.get("save_writer_nice", 10)
-        if isinstance(writer_nice, bool) or not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
-            raise ConfigError("kv_connector_extra_config.save_writer_nice", "a nice value from 0 to 19")
         spec = model_spec_from_hf_config(hf_config, model=descriptor.model) if hf_config is not None else None
         return cls(worker=str(worker), descriptor=descriptor, model_spec=spec, save_tier=_SAVE_TIERS[tier_name],
                    load_async=load_async, profile=profile, decide_wait_s=float(wait_ms) / 1000.0,
-                   prefill_chunk_tokens=prefill_chunk_tokens, save_queue_bytes=int(queue_mib * (1 << 20)),
-                   save_writer_nice=writer_nice)
+                   prefill_chunk_tokens=prefill_chunk_tokens, save_queue_bytes=int(queue_mib * (1 << 20)))
 
 
 def _worker_from_topic(topic: str, dp_rank: int) -> str | None:

@@ -40,7 +40,6 @@ from nexuskv.descriptor import StateDescriptor, Tier
 from nexuskv.entries import EntryLocation
 from nexuskv.errors import DataPlaneError, TierUnavailableError
 from streams.bus.metrics import METRICS
-from streams.bus.process import set_thread_nice
 
 __all__ = ["SaveWriter"]
 
@@ -61,8 +60,7 @@ class SaveWriter:
     def __init__(self, descriptor: StateDescriptor, catalog: BackendCatalog, *, held: Held,
                  tiers: TierManager | None, publisher: TierPublisher | None, identity: Any, group: int,
                  stats: dict[str, Any], lock: threading.Lock, copied: Callable[..., None], queue_bytes: int,
-                 nice: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time) -> None:
         self.descriptor = descriptor
         self.catalog = catalog
         self.held = held
@@ -74,9 +72,6 @@ class SaveWriter:
         self._lock = lock
         self._copied = copied
         self.queue_bytes = queue_bytes
-        #: The writer thread's nice value asked (None: the engine's own) and the one it runs at.
-        self.nice = nice
-        self.priority: int | None = None
         self.clock, self.wall = clock, wall
         self.block_bytes = 0
         self._ticked = 0.0
@@ -155,10 +150,6 @@ class SaveWriter:
 
     def _write_loop(self) -> None:
         """Saves in the order they were queued; a save is announced only once written."""
-        # The writer shares a core with the step thread (vLLM binds an engine's threads to its
-        # cores and a new thread inherits that): at a higher nice value it takes the core only a
-        # small share of the time the step wants it.
-        self.priority = set_thread_nice(self.nice, what="the KV writer thread")
         while True:
             with self._cv:
                 while not self._saves and not self._closing:
@@ -276,4 +267,3 @@ class SaveWriter:
                 self.stats["blocks_unchained"] += len(run)
         except Exception as exc:  # noqa: BLE001 - the publisher resyncs; the blocks stay on the tier
             log.warning("request %s: announcing %d saved blocks failed: %s", spec.request_id, len(run), exc)
-

@@ -144,8 +144,7 @@ def build_worker_side(config: ConnectorConfig, *, settings: Settings | None = No
         profile = config.profile or policy.planner.default_hardware_profile
         worker = WorkerSide(config.descriptor, catalog, held=held, publisher=publisher,
                             observe=lambda record: producer.send(record), profile=profile, measure=measure,
-                            layerwise=layerwise, save_queue_bytes=config.save_queue_bytes,
-                            save_writer_nice=config.save_writer_nice)
+                            layerwise=layerwise, save_queue_bytes=config.save_queue_bytes)
     except Exception:
         producer.stop()
         raise

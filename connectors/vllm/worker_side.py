@@ -219,7 +219,7 @@ class WorkerSide:
                  model: str | None = None, profile: str = "", threads: int = 2, measure: bool = True,
                  clock: Callable[[], float] = time.perf_counter, wall: Callable[[], float] = time.time,
                  tiers: TierManager | None = None, layerwise: bool = False,
-                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES, save_writer_nice: int | None = None) -> None:
+                 save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES) -> None:
         check_descriptor(descriptor)
         if save_queue_bytes <= 0:
             raise ConfigError("save_queue_bytes", f"must be > 0, got {save_queue_bytes}")
@@ -267,8 +267,7 @@ class WorkerSide:
         self.save_queue_bytes = save_queue_bytes
         self._saver = SaveWriter(descriptor, catalog, held=self.held, tiers=tiers, publisher=publisher,
                                  identity=self._identity, group=self._group, stats=self.stats, lock=self._lock,
-                                 copied=self._copied, queue_bytes=save_queue_bytes, nice=save_writer_nice,
-                                 clock=clock, wall=wall)
+                                 copied=self._copied, queue_bytes=save_queue_bytes, clock=clock, wall=wall)
 
     # -- registration --------------------------------------------------------------------------
 

@@ -82,9 +82,6 @@ def test_the_descriptor_must_describe_vllms_kv_cache():
     ({"decide_wait_ms": -1}, "kv_connector_extra_config.decide_wait_ms"),
     ({"load_async": "yes"}, "kv_connector_extra_config.load_async"),
     ({"profile": ""}, "kv_connector_extra_config.profile"),
-    ({"save_writer_nice": -5}, "kv_connector_extra_config.save_writer_nice"),
-    ({"save_writer_nice": 20}, "kv_connector_extra_config.save_writer_nice"),
-    ({"save_writer_nice": 2.5}, "kv_connector_extra_config.save_writer_nice"),
     ({"descriptor": "/no/such/file.json"}, "descriptor"),
 ])
 def test_bad_configuration_names_the_field(extra, field):

@@ -52,8 +52,7 @@ class GatedDisk(DiskBackend):
 class Rig:
     """One reference engine, its scheduler side, and a worker side over a gated disk tier."""
 
-    def __init__(self, tmp_path, *, layerwise: bool = False, save_queue_bytes: int = 1 << 24,
-                 save_writer_nice: int | None = None) -> None:
+    def __init__(self, tmp_path, *, layerwise: bool = False, save_queue_bytes: int = 1 << 24) -> None:
         self.feed = IndexFeed()
         self.rt = rt = ReferenceEngine(SPEC, model=MODEL, worker="w-a", publisher=self.feed)
         root = tmp_path / "disk"
@@ -69,8 +68,7 @@ class Rig:
                                        publish=self.feed, held=lambda keys: held(Tier.DISK, keys), state_dir=tmp_path)
         self.publisher.start()
         self.worker = WorkerSide(rt.descriptor, catalog, held=held, publisher=self.publisher, measure=False,
-                                 layerwise=layerwise, save_queue_bytes=save_queue_bytes,
-                                 save_writer_nice=save_writer_nice)
+                                 layerwise=layerwise, save_queue_bytes=save_queue_bytes)
         self.worker.register_kv_caches(rt.kv_caches())
 
     def computed(self, request_id: str, tokens: list[int]):
@@ -116,22 +114,6 @@ def test_a_save_is_written_off_the_step_thread_and_announced_only_once_written(r
     assert r.announced(PROMPT) == [True] * 6 and len(r.disk.keys()) == 6
     assert r.worker.stats["blocks_saved"] == 6 and r.worker.stats["saves_dropped"] == 0
     assert not r.worker.busy()
-
-
-def test_the_writer_thread_runs_at_its_nice_value_and_the_step_thread_at_its_own(rig):
-    import os
-    import threading
-
-    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    r = rig(save_writer_nice=min(19, own + 7))
-    meta = r.computed("r1", PROMPT)
-    r.worker.wait_for_save(meta)
-    r.worker.flush()
-    writer = r.worker._saver
-    assert writer.priority == min(19, own + 7)
-    assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == min(19, own + 7)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the step thread's is untouched
-    assert r.announced(PROMPT) == [True] * 6
 
 
 def test_a_full_queue_drops_the_save_counted_never_announced_never_waited_for(rig):
