@@ -100,7 +100,7 @@ from nexuskv.errors import ConfigError, NexusKVError
 from nexuskv.identity import IdentityScope
 from streams.bus.health import HEALTH
 from streams.bus.metrics import METRICS
-from streams.bus.process import freeze_startup_heap, set_thread_nice
+from streams.bus.process import freeze_startup_heap
 from streams.replica import IndexReplica, report_readiness
 from streams.supervisor import Supervisor, run_service
 from streams.telemetry import init_service
@@ -356,8 +356,7 @@ class IndexSidecar:
 
     def _run(self, listening: concurrent.futures.Future[None]) -> None:
         loop = self._loop = asyncio.new_event_loop()
-        self.ask_priority = set_thread_nice(self.ask_nice, what="the index sidecar's ask thread",
-                                            why_refused="; a negative NEXUSKV_INDEX_ASK_NICE needs CAP_SYS_NICE")
+        self.ask_priority = _set_thread_nice(self.ask_nice)
         try:
             asyncio.set_event_loop(loop)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -582,6 +581,20 @@ class IndexSidecar:
             conn.release(Answer(VERSION, ask.id, "not caught up: stopping"))
             return
         future.add_done_callback(lambda f: _call_soon(loop, done, f))
+
+
+def _set_thread_nice(nice: int | None) -> int:
+    """Give the calling thread ``nice`` (Linux: a thread's nice value is its own); the nice value it
+    runs at. A refusal (a negative value without CAP_SYS_NICE) is logged and the thread runs on at
+    the process's priority: a nice value is never worth a failed start."""
+    tid = threading.get_native_id()
+    if nice is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as exc:
+            log.warning("the index sidecar's ask thread keeps its priority (nice %d refused: %s); a negative "
+                        "NEXUSKV_INDEX_ASK_NICE needs CAP_SYS_NICE", nice, exc.strerror or exc)
+    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:

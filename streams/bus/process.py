@@ -1,4 +1,4 @@
-"""Child processes that never outlive NexusKV, a Kafka readiness probe, and a thread's nice value.
+"""Child processes that never outlive NexusKV, and a Kafka readiness probe.
 
 A broker started by NexusKV runs in its own session (so it and its children stop as a group)
 and is bound to its parent with ``PR_SET_PDEATHSIG``: if the parent is SIGKILLed, the kernel
@@ -11,24 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import logging
 import os
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from nexuskv.errors import BrokerError
 
-log = logging.getLogger("nexuskv.process")
-
-__all__ = ["ManagedProcess", "free_port", "kafka_api_versions_ok", "wait_for_kafka", "freeze_startup_heap",
-           "set_thread_nice"]
+__all__ = ["ManagedProcess", "free_port", "kafka_api_versions_ok", "wait_for_kafka", "freeze_startup_heap"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -64,23 +59,6 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-def set_thread_nice(nice: int | None, *, what: str, why_refused: str = "") -> int | None:
-    """Give the calling thread ``nice`` (Linux: a thread's nice value is its own, and the kernel
-    shares a busy core between runnable threads by it); returns the nice value the thread runs at
-    (None where the OS has none). A refusal (a negative value without CAP_SYS_NICE) is logged
-    naming ``what`` and the thread runs on at its priority: a nice value is never worth a failed
-    start."""
-    if not hasattr(os, "setpriority"):
-        return None
-    tid = threading.get_native_id()
-    if nice is not None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError as exc:
-            log.warning("%s keeps its priority (nice %d refused: %s)%s", what, nice, exc.strerror or exc, why_refused)
-    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
